@@ -1,0 +1,596 @@
+"""Dynamo ``PreprocessedRequest`` dict → OpenEngine ``GenerateRequest`` (upb) + gRPC metadata.
+
+Aggregated serving only (this module knows nothing of prefill/decode yet). Every field of the
+request dict is in exactly one of three states, listed in :data:`FIELD_POLICY`:
+
+* **mapped** — validated and carried to the engine;
+* **refused** — not representable (yet) or not advertised by the engine: when present with a
+  non-default value the request is rejected with :class:`~sidecar.errors.RequestRejected` naming
+  the field, before any RPC (HTTP 400);
+* **ignored** — the frontend already applied it, or it only matters to Dynamo's router.
+
+The input is whatever the Dynamo binding hands us, so it is checked, not trusted: any malformed
+value becomes ``RequestRejected``, never another exception (the tests fuzz this).
+
+Rules shared with Dynamo's Rust sidecars (``dynamo-sidecar.md`` §3) and TensorRT-LLM's server
+(``tensorrt-llm-openengine.md`` §6):
+
+* ``stopping.max_tokens`` is always sent. When the request has none it is derived as
+  ``context_length − prompt_len`` (TensorRT-LLM mishandles an omitted value, TRT-LLM #16549),
+  capped by the model's ``max_output_tokens``. An explicit value above ``max_output_tokens`` is
+  refused (as Dynamo's engine-neutral sidecar does); one above the remaining window is clamped to
+  it — generation would end there with ``length`` anyway. A prompt that fills the window is refused.
+* ``sampling.temperature`` is sent whenever given (TensorRT-LLM defaults to 1.0: greedy must be asked).
+* Stop strings and stop token ids (``stop_token_ids`` ∪ ``stop_token_ids_hidden``) are deduplicated
+  and sorted; at most 64 conditions together, as TensorRT-LLM enforces.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final
+
+from openengine.v1 import generation_pb2
+
+from sidecar.errors import RequestRejected
+
+from .response import ResponseMapper
+
+if TYPE_CHECKING:
+    from .capabilities import Capabilities
+
+__all__ = [
+    "FIELD_POLICY",
+    "HEALTH_CANARY_PAYLOAD",
+    "MAX_METADATA_BYTES",
+    "MAX_STOP_CONDITIONS",
+    "GenerateCall",
+    "build_generate_request",
+]
+
+UINT32_MAX: Final = 2**32 - 1
+UINT64_MAX: Final = 2**64 - 1
+INT32_MAX: Final = 2**31 - 1
+
+#: TensorRT-LLM refuses more stop conditions than this with INVALID_ARGUMENT.
+MAX_STOP_CONDITIONS: Final = 64
+
+#: Bound on the metadata copied from annotations (HTTP/2 header lists are small; stay far below).
+MAX_METADATA_BYTES: Final = 8192
+
+#: Dynamo's health canary for this worker (the payload Dynamo's engine-neutral sidecar registers):
+#: one prompt token, one greedy output token, EOS ignored so the answer length is fixed. Treat it as
+#: read-only; it maps to a valid request with any engine whose context window exceeds one token.
+HEALTH_CANARY_PAYLOAD: Final[dict[str, Any]] = {
+    "token_ids": [1],
+    "stop_conditions": {"max_tokens": 1, "ignore_eos": True},
+    "sampling_options": {"temperature": 0.0},
+}
+
+_MAPPED: Final = "mapped"
+_REFUSED: Final = "refused"
+_IGNORED: Final = "ignored"
+
+#: Every PreprocessedRequest field this module knows → (policy, why). Unknown keys are ignored.
+FIELD_POLICY: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
+    {
+        "token_ids": (_MAPPED, "GenerateRequest.token_ids; empty refused; uint32 each"),
+        "model": (_IGNORED, "the worker serves one model; GenerateRequest.model comes from configuration"),
+        "mdc_sum": (_IGNORED, "model-card checksum, frontend bookkeeping"),
+        "eos_token_ids": (_IGNORED, "the engine knows its EOS tokens; the frontend applies EOS itself"),
+        "annotations": (_MAPPED, "'key:value' entries with a plain metadata key → gRPC metadata; others ignored"),
+        "stop_conditions.max_tokens": (_MAPPED, "stopping.max_tokens, always sent (derived when absent)"),
+        "stop_conditions.min_tokens": (_MAPPED, "stopping.min_tokens; must not exceed max_tokens"),
+        "stop_conditions.stop": (_MAPPED, "stopping.conditions stop_text; deduplicated, sorted, empty strings dropped"),
+        "stop_conditions.stop_token_ids": (_MAPPED, "stopping.conditions stop_token_id; deduplicated, sorted"),
+        "stop_conditions.stop_token_ids_hidden": (_MAPPED, "merged into the stop token ids"),
+        "stop_conditions.stop_token_ids_visible": (
+            _REFUSED,
+            "one include_stop_in_output flag cannot keep some stop tokens and hide others",
+        ),
+        "stop_conditions.ignore_eos": (_MAPPED, "stopping.ignore_eos"),
+        "stop_conditions.max_thinking_tokens": (_REFUSED, "no reasoning budget in OpenEngine v0.1.0"),
+        "sampling_options.n": (_MAPPED, "sampling.num_sequences, always sent; ≤ Capabilities.max_num_sequences"),
+        "sampling_options.best_of": (_REFUSED, "unless equal to n"),
+        "sampling_options.temperature": (_MAPPED, "sampling.temperature, ≥ 0"),
+        "sampling_options.top_p": (_MAPPED, "sampling.top_p, in [0, 1]"),
+        "sampling_options.top_k": (_MAPPED, "sampling.top_k; -1/0 mean unset, other negatives refused"),
+        "sampling_options.min_p": (_MAPPED, "sampling.min_p, in [0, 1]"),
+        "sampling_options.frequency_penalty": (_MAPPED, "sampling.frequency_penalty, in [-2, 2]"),
+        "sampling_options.presence_penalty": (_MAPPED, "sampling.presence_penalty, in [-2, 2]"),
+        "sampling_options.repetition_penalty": (_MAPPED, "sampling.repetition_penalty, > 0"),
+        "sampling_options.seed": (_MAPPED, "sampling.seed, uint64; negatives refused"),
+        "sampling_options.use_beam_search": (_REFUSED, "beam search is not in OpenEngine v0.1.0"),
+        "sampling_options.length_penalty": (_REFUSED, "a beam-search parameter (1.0 is the default)"),
+        "sampling_options.include_stop_str_in_output": (
+            _MAPPED,
+            "stopping.include_stop_in_output when generation.supports_stop_in_output, else refused",
+        ),
+        "sampling_options.guided_decoding": (_REFUSED, "not mapped yet"),
+        "output_options.logprobs": (
+            _MAPPED,
+            "response.return_output_logprobs + output_candidates.top_n = max(1, logprobs), within max_top_n",
+        ),
+        "output_options.prompt_logprobs": (_REFUSED, "not mapped yet"),
+        "output_options.skip_special_tokens": (_IGNORED, "the frontend detokenizes"),
+        "output_options.formatted_prompt": (_REFUSED, "not mapped (as Dynamo's engine-neutral sidecar)"),
+        "output_options.return_tokens_as_token_ids": (_IGNORED, "the frontend renders tokens"),
+        "routing.priority": (_REFUSED, "not mapped yet (0 is the default)"),
+        "routing.dp_rank": (_REFUSED, "DP-rank targeting not mapped yet; ignored when it names the only rank"),
+        "routing.prefill_dp_rank": (_REFUSED, "as routing.dp_rank"),
+        "routing.lora_name": (_REFUSED, "LoRA not mapped yet"),
+        "routing.cache_salt": (_REFUSED, "cache salt not mapped yet"),
+        "routing.cache_namespace": (_REFUSED, "cache salt not mapped yet"),
+        "routing.*": (_IGNORED, "worker ids, expected_output_tokens, priority_jump: the router's business"),
+        "extra_args.bypass_prefix_cache": (_REFUSED, "prefix-cache bypass not mapped yet"),
+        "extra_args.disable_prefix_cache": (_REFUSED, "prefix-cache bypass not mapped yet"),
+        "extra_args.nvext.cache_salt": (_REFUSED, "cache salt not mapped yet"),
+        "extra_args.*": (_IGNORED, "frontend-level (messages, nvext response fields, ...)"),
+        "prefill_result": (_REFUSED, "a decode handoff; this worker is aggregated"),
+        "bootstrap_info": (_REFUSED, "a disaggregation handoff; this worker is aggregated"),
+        "multi_modal_data": (_REFUSED, "media not mapped yet"),
+        "multi_modal_uuids": (_REFUSED, "media not mapped yet"),
+        "mm_routing_info": (_REFUSED, "media not mapped yet"),
+        "mm_processor_kwargs": (_REFUSED, "media not mapped yet"),
+        "media_io_kwargs": (_REFUSED, "media not mapped yet"),
+        "encoder_result": (_REFUSED, "encoder handoff not supported"),
+        "prompt_embeds": (_REFUSED, "prompt embeddings are not in OpenEngine v0.1.0"),
+        "require_reasoning": (_REFUSED, "not mapped (as Dynamo's engine-neutral sidecar)"),
+        "*": (_IGNORED, "router/frontend bookkeeping (router_config_override, kv_hint, migration_link, ...)"),
+    }
+)
+
+# Top-level fields refused whenever they carry a value (None, empty containers and all-None
+# objects count as absent).
+_REFUSED_TOP_LEVEL: Final = (
+    ("prefill_result", "a prefill handoff must be routed to a decode worker; this worker is aggregated"),
+    ("bootstrap_info", "disaggregated bootstrap is not supported by an aggregated worker"),
+    ("multi_modal_data", "multimodal input is not mapped yet"),
+    ("multi_modal_uuids", "multimodal input is not mapped yet"),
+    ("mm_routing_info", "multimodal input is not mapped yet"),
+    ("mm_processor_kwargs", "multimodal input is not mapped yet"),
+    ("media_io_kwargs", "multimodal input is not mapped yet"),
+    ("encoder_result", "encoder handoff is not supported"),
+    ("prompt_embeds", "prompt embeddings are not supported by OpenEngine v0.1.0"),
+)
+
+# gRPC metadata keys an annotation may never set: transport headers, the reserved OpenEngine
+# prefix (priority and DP targeting are capability-gated) and the trace headers (from `trace`).
+_RESERVED_KEYS: Final = frozenset(
+    {"te", "content-type", "user-agent", "host", "connection", "authorization", "traceparent", "tracestate"}
+)
+_RESERVED_PREFIXES: Final = ("grpc-", "openengine-", ":")
+_KEY_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-_.")
+
+_EMPTY: Final[Mapping[str, Any]] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GenerateCall:
+    """One ready-to-send ``Generate`` call and what the response side needs to know about it."""
+
+    #: The upb request.
+    request: generation_pb2.GenerateRequest
+    #: gRPC metadata, in order: ``traceparent``, ``tracestate``, then annotations.
+    metadata: tuple[tuple[str, str], ...]
+    #: Outputs asked for (``num_sequences``); chunk ``index`` ranges over ``0 … n − 1``.
+    n: int
+    #: Output logprobs asked for: None = not asked, 0 = selected token only, k = top-k alternatives.
+    logprobs: int | None
+    #: ``output_candidates.top_n`` sent (``max(1, logprobs)``), None when logprobs were not asked.
+    top_n: int | None
+    #: Prompt length in tokens.
+    prompt_tokens: int
+    #: ``stopping.max_tokens`` sent (explicit, clamped, or derived).
+    max_tokens: int
+
+    @property
+    def request_id(self) -> str:
+        """The request id carried by the request (and expected on every response)."""
+        request_id: str = self.request.request_id
+        return request_id
+
+    def response_mapper(self) -> ResponseMapper:
+        """A fresh :class:`ResponseMapper` for this call's response stream."""
+        return ResponseMapper(self.request_id, n=self.n, logprobs=self.logprobs, prompt_tokens=self.prompt_tokens)
+
+
+# ------------------------------------------------------------------------------------------ readers
+
+
+def _is_empty(value: object) -> bool:
+    return value is None or (isinstance(value, list | tuple | str | bytes | Mapping) and len(value) == 0)
+
+
+def _is_unset(value: object) -> bool:
+    """None, an empty container, or an object whose members are all None or empty.
+
+    One level deep on purpose: serde serializes an unset Rust struct as ``{"a": null, ...}``, and
+    anything nested deeper that carries a value is a value.
+    """
+    if isinstance(value, Mapping):
+        return all(_is_empty(member) for member in value.values())
+    return _is_empty(value)
+
+
+def _section(request: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = request.get(key)
+    if value is None:
+        return _EMPTY
+    if not isinstance(value, Mapping):
+        raise RequestRejected(key, f"must be an object, got {type(value).__name__}")
+    return value
+
+
+def _int(value: object, field: str, lo: int, hi: int) -> int | None:
+    if value is None:
+        return None
+    # bool is an int subclass; JSON true is not a count.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestRejected(field, f"must be an integer, got {type(value).__name__}")
+    if value < lo:
+        raise RequestRejected(field, f"must be ≥ {lo}, got {value}")
+    if value > hi:
+        raise RequestRejected(field, f"must be ≤ {hi}, got {value}")
+    return value
+
+
+def _float(value: object, field: str, lo: float | None = None, hi: float | None = None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RequestRejected(field, f"must be a number, got {type(value).__name__}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the double range
+        raise RequestRejected(field, f"{value} is out of range") from None
+    if not math.isfinite(number):
+        raise RequestRejected(field, f"must be a finite number, got {number}")
+    if lo is not None and number < lo:
+        raise RequestRejected(field, f"must be ≥ {lo}, got {number}")
+    if hi is not None and number > hi:
+        raise RequestRejected(field, f"must be ≤ {hi}, got {number}")
+    return number
+
+
+def _bool(value: object, field: str) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise RequestRejected(field, f"must be a boolean, got {type(value).__name__}")
+
+
+def _list(value: object, field: str) -> Sequence[object]:
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple):
+        raise RequestRejected(field, f"must be a list, got {type(value).__name__}")
+    return value
+
+
+def _token_ids(request: Mapping[str, Any]) -> Sequence[int]:
+    ids = request.get("token_ids")
+    if not isinstance(ids, list | tuple):
+        raise RequestRejected("token_ids", "must be a non-empty list of token ids")
+    if not ids:
+        raise RequestRejected("token_ids", "must not be empty")
+    return ids
+
+
+# ------------------------------------------------------------------------------------------- build
+
+
+def build_generate_request(
+    request: Mapping[str, Any],
+    *,
+    request_id: str,
+    model: str,
+    caps: Capabilities,
+    context_length: int,
+    trace: Mapping[str, str] | None = None,
+) -> GenerateCall:
+    """Map one Dynamo ``PreprocessedRequest`` dict to a ``Generate`` call for an aggregated engine.
+
+    ``context_length`` is the window in force (configured, else ``ModelInfo.max_context_length``);
+    ``trace`` holds the caller's ``traceparent``/``tracestate``. Raises only
+    :class:`~sidecar.errors.RequestRejected`, naming the offending field (``sampling_options.top_k``).
+    """
+    checked: object = request  # the binding hands us Any; check what it really is
+    if not isinstance(checked, Mapping):
+        raise RequestRejected("request", f"must be an object, got {type(checked).__name__}")
+    stop = _section(request, "stop_conditions")
+    sampling = _section(request, "sampling_options")
+    output = _section(request, "output_options")
+    routing = _section(request, "routing")
+    extra_args = _section(request, "extra_args")
+
+    _refuse_unmapped(request, stop, sampling, output, routing, extra_args, caps)
+
+    result = generation_pb2.GenerateRequest(request_id=request_id, model=model)
+    ids = _token_ids(request)
+    try:
+        result.token_ids.ids.extend(ids)
+    except (TypeError, ValueError):
+        # upb checks every id (int, not bool, 0 ≤ id < 2^32) in C; find the culprit only on failure.
+        bad = next(
+            (i for i, t in enumerate(ids) if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= UINT32_MAX),
+            0,
+        )
+        reason = f"must be a token id in [0, {UINT32_MAX}], got {ids[bad]!r}"
+        raise RequestRejected(f"token_ids[{bad}]", reason) from None
+    prompt_tokens = len(ids)
+
+    n = _map_sampling(result.sampling, sampling, caps)
+    max_tokens = _map_stopping(result.stopping, stop, sampling, caps, prompt_tokens, context_length)
+    logprobs, top_n = _map_logprobs(result, output, caps)
+
+    return GenerateCall(
+        request=result,
+        metadata=_metadata(request, trace),
+        n=n,
+        logprobs=logprobs,
+        top_n=top_n,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+    )
+
+
+def _refuse_unmapped(
+    request: Mapping[str, Any],
+    stop: Mapping[str, Any],
+    sampling: Mapping[str, Any],
+    output: Mapping[str, Any],
+    routing: Mapping[str, Any],
+    extra_args: Mapping[str, Any],
+    caps: Capabilities,
+) -> None:
+    """Reject every field this mapping cannot honour yet, when it carries a non-default value."""
+    for key, reason in _REFUSED_TOP_LEVEL:
+        if not _is_unset(request.get(key)):
+            raise RequestRejected(key, reason)
+    if _bool(request.get("require_reasoning"), "require_reasoning"):
+        raise RequestRejected("require_reasoning", "forced reasoning is not supported")
+
+    if not _is_unset(sampling.get("guided_decoding")):
+        raise RequestRejected("sampling_options.guided_decoding", "guided decoding is not mapped yet")
+    if _bool(sampling.get("use_beam_search"), "sampling_options.use_beam_search"):
+        raise RequestRejected("sampling_options.use_beam_search", "beam search is not supported by OpenEngine v0.1.0")
+    length_penalty = _float(sampling.get("length_penalty"), "sampling_options.length_penalty")
+    if length_penalty is not None and length_penalty != 1.0:
+        raise RequestRejected("sampling_options.length_penalty", "a beam-search parameter; beam search is unsupported")
+
+    if not _is_unset(stop.get("stop_token_ids_visible")):
+        raise RequestRejected(
+            "stop_conditions.stop_token_ids_visible",
+            "visible stop token ids cannot be represented (one include_stop_in_output flag for all stops)",
+        )
+    if stop.get("max_thinking_tokens") is not None:
+        raise RequestRejected("stop_conditions.max_thinking_tokens", "no reasoning-token budget in OpenEngine v0.1.0")
+
+    if output.get("prompt_logprobs") is not None:
+        raise RequestRejected("output_options.prompt_logprobs", "prompt logprobs are not mapped yet")
+    if _bool(output.get("formatted_prompt"), "output_options.formatted_prompt"):
+        raise RequestRejected("output_options.formatted_prompt", "returning the formatted prompt is not supported")
+
+    priority = _int(routing.get("priority"), "routing.priority", -(2**31), INT32_MAX)
+    if priority:
+        raise RequestRejected("routing.priority", "request priority is not mapped yet")
+    for key in ("dp_rank", "prefill_dp_rank"):
+        rank = _int(routing.get(key), f"routing.{key}", 0, UINT32_MAX)
+        if rank is not None and not _only_rank(rank, caps):
+            raise RequestRejected(f"routing.{key}", "data-parallel rank targeting is not mapped yet")
+    for key, reason in (
+        ("lora_name", "LoRA adapters are not mapped yet"),
+        ("cache_salt", "cache salt is not mapped yet"),
+        ("cache_namespace", "cache salt is not mapped yet"),
+    ):
+        if not _is_unset(routing.get(key)):
+            raise RequestRejected(f"routing.{key}", reason)
+
+    for key in ("bypass_prefix_cache", "disable_prefix_cache"):
+        if extra_args.get(key) not in (None, False):
+            raise RequestRejected(f"extra_args.{key}", "prefix-cache bypass is not mapped yet")
+    nvext = extra_args.get("nvext")
+    if isinstance(nvext, Mapping) and not _is_unset(nvext.get("cache_salt")):
+        raise RequestRejected("extra_args.nvext.cache_salt", "cache salt is not mapped yet")
+
+
+def _only_rank(rank: int, caps: Capabilities) -> bool:
+    # A rank hint that names the single rank this engine has changes nothing; ignore it rather than
+    # refuse every request from a KV router that stamps dp_rank on everything.
+    if caps.data_parallel_size is not None and caps.data_parallel_size > 1:
+        return False
+    return rank == (caps.data_parallel_start_rank or 0)
+
+
+def _map_sampling(target: generation_pb2.SamplingParams, sampling: Mapping[str, Any], caps: Capabilities) -> int:
+    temperature = _float(sampling.get("temperature"), "sampling_options.temperature", lo=0.0)
+    if temperature is not None:
+        target.temperature = temperature
+    top_p = _float(sampling.get("top_p"), "sampling_options.top_p", lo=0.0, hi=1.0)
+    if top_p is not None:
+        target.top_p = top_p
+    top_k = sampling.get("top_k")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int):
+            raise RequestRejected("sampling_options.top_k", f"must be an integer, got {type(top_k).__name__}")
+        if top_k < -1:
+            raise RequestRejected("sampling_options.top_k", f"must be -1, 0 (both: no limit) or positive, got {top_k}")
+        if top_k > INT32_MAX:
+            raise RequestRejected("sampling_options.top_k", f"must be ≤ {INT32_MAX}, got {top_k}")
+        if top_k > 0:
+            target.top_k = top_k
+    min_p = _float(sampling.get("min_p"), "sampling_options.min_p", lo=0.0, hi=1.0)
+    if min_p is not None:
+        target.min_p = min_p
+    frequency = _float(sampling.get("frequency_penalty"), "sampling_options.frequency_penalty", lo=-2.0, hi=2.0)
+    if frequency is not None:
+        target.frequency_penalty = frequency
+    presence = _float(sampling.get("presence_penalty"), "sampling_options.presence_penalty", lo=-2.0, hi=2.0)
+    if presence is not None:
+        target.presence_penalty = presence
+    repetition = _float(sampling.get("repetition_penalty"), "sampling_options.repetition_penalty")
+    if repetition is not None:
+        if repetition <= 0.0:
+            raise RequestRejected("sampling_options.repetition_penalty", f"must be > 0, got {repetition}")
+        target.repetition_penalty = repetition
+    seed = _int(sampling.get("seed"), "sampling_options.seed", 0, UINT64_MAX)
+    if seed is not None:
+        target.seed = seed
+
+    n = _int(sampling.get("n"), "sampling_options.n", 1, UINT32_MAX) or 1
+    if n > caps.max_num_sequences:
+        limit = caps.max_num_sequences
+        raise RequestRejected("sampling_options.n", f"the engine serves at most {limit} outputs, asked for {n}")
+    best_of = _int(sampling.get("best_of"), "sampling_options.best_of", 1, UINT32_MAX)
+    if best_of is not None and best_of != n:
+        raise RequestRejected("sampling_options.best_of", f"must equal n ({n}); best-of selection is not supported")
+    # Sent even for 1: explicit beats each engine's idea of the default.
+    target.num_sequences = n
+    return n
+
+
+def _map_stopping(
+    target: generation_pb2.StoppingOptions,
+    stop: Mapping[str, Any],
+    sampling: Mapping[str, Any],
+    caps: Capabilities,
+    prompt_tokens: int,
+    context_length: int,
+) -> int:
+    window = context_length - prompt_tokens
+    if window < 1:
+        raise RequestRejected(
+            "token_ids", f"the prompt ({prompt_tokens} tokens) fills the {context_length}-token context window"
+        )
+    explicit = _int(stop.get("max_tokens"), "stop_conditions.max_tokens", 1, UINT32_MAX)
+    limit = caps.max_output_tokens
+    if explicit is None:
+        max_tokens = window if limit is None else min(window, limit)
+        if max_tokens < 1:
+            raise RequestRejected("stop_conditions.max_tokens", f"the engine allows {limit} output tokens")
+    else:
+        if limit is not None and explicit > limit:
+            reason = f"the engine allows at most {limit}, asked for {explicit}"
+            raise RequestRejected("stop_conditions.max_tokens", reason)
+        max_tokens = min(explicit, window)
+    target.max_tokens = max_tokens
+
+    min_tokens = _int(stop.get("min_tokens"), "stop_conditions.min_tokens", 0, UINT32_MAX)
+    if min_tokens is not None:
+        if min_tokens > max_tokens:
+            raise RequestRejected("stop_conditions.min_tokens", f"{min_tokens} exceeds max_tokens ({max_tokens})")
+        target.min_tokens = min_tokens
+
+    ignore_eos = _bool(stop.get("ignore_eos"), "stop_conditions.ignore_eos")
+    if ignore_eos is not None:
+        target.ignore_eos = ignore_eos
+
+    if _bool(sampling.get("include_stop_str_in_output"), "sampling_options.include_stop_str_in_output"):
+        if caps.supports_stop_in_output is not True:
+            raise RequestRejected(
+                "sampling_options.include_stop_str_in_output", "the engine does not advertise supports_stop_in_output"
+            )
+        target.include_stop_in_output = True
+
+    texts = _stop_texts(stop)
+    token_ids = _stop_token_ids(stop)
+    count = len(texts) + len(token_ids)
+    if count > MAX_STOP_CONDITIONS:
+        reason = f"at most {MAX_STOP_CONDITIONS} stop strings and stop token ids together, got {count}"
+        raise RequestRejected("stop_conditions.stop", reason)
+    conditions = target.conditions
+    for text in texts:
+        conditions.add(stop_text=text)
+    for token_id in token_ids:
+        conditions.add(stop_token_id=token_id)
+    return max_tokens
+
+
+def _stop_texts(stop: Mapping[str, Any]) -> list[str]:
+    raw = stop.get("stop")
+    if isinstance(raw, str):  # tolerate a single string where a list is expected
+        raw = [raw]
+    texts: set[str] = set()
+    for i, text in enumerate(_list(raw, "stop_conditions.stop")):
+        if not isinstance(text, str):
+            raise RequestRejected(f"stop_conditions.stop[{i}]", f"must be a string, got {type(text).__name__}")
+        # An empty stop string can never end anything; the engine would refuse it as an empty condition.
+        if text:
+            texts.add(text)
+    return sorted(texts)
+
+
+def _stop_token_ids(stop: Mapping[str, Any]) -> list[int]:
+    ids: set[int] = set()
+    for key in ("stop_token_ids", "stop_token_ids_hidden"):
+        field = f"stop_conditions.{key}"
+        for i, token_id in enumerate(_list(stop.get(key), field)):
+            checked = _int(token_id, f"{field}[{i}]", 0, UINT32_MAX)
+            if checked is None:
+                raise RequestRejected(f"{field}[{i}]", "must be a token id, got null")
+            ids.add(checked)
+    return sorted(ids)
+
+
+def _map_logprobs(
+    target: generation_pb2.GenerateRequest, output: Mapping[str, Any], caps: Capabilities
+) -> tuple[int | None, int | None]:
+    field = "output_options.logprobs"
+    logprobs = _int(output.get("logprobs"), field, 0, UINT32_MAX)
+    if logprobs is None:
+        return None, None
+    support = caps.output_logprobs
+    if support.supported is None:
+        raise RequestRejected(field, "the engine does not report output logprob support")
+    if not support.supported:
+        raise RequestRejected(field, "the engine does not support output logprobs")
+    if not support.top_n_allowed:
+        raise RequestRejected(field, "the engine does not offer top-N candidates for output logprobs")
+    # TensorRT-LLM computes the selected token's logprob only when at least one candidate is asked
+    # for, so logprobs=0 travels as top_n=1; the mapper then leaves the alternatives out.
+    top_n = max(1, logprobs)
+    if support.max_top_n is not None and top_n > support.max_top_n:
+        raise RequestRejected(field, f"the engine returns at most {support.max_top_n} alternatives, asked for {top_n}")
+    target.response.return_output_logprobs = True
+    target.response.output_candidates.top_n = top_n
+    return logprobs, top_n
+
+
+def _metadata(request: Mapping[str, Any], trace: Mapping[str, str] | None) -> tuple[tuple[str, str], ...]:
+    metadata: list[tuple[str, str]] = []
+    if trace:
+        for key in ("traceparent", "tracestate"):
+            value = trace.get(key)
+            # A malformed trace header is dropped, not fatal: tracing must never fail a request.
+            if isinstance(value, str) and value and _header_value_ok(value):
+                metadata.append((key, value))
+    size = 0
+    annotations = request.get("annotations")
+    for i, annotation in enumerate(_list(annotations, "annotations")):
+        if not isinstance(annotation, str):
+            raise RequestRejected(f"annotations[{i}]", f"must be a string, got {type(annotation).__name__}")
+        key, sep, value = annotation.partition(":")
+        # Entries without a value ("formatted_prompt", "llm_metrics") are frontend switches.
+        key = key.strip().lower()
+        value = value.strip()
+        if not sep or not _annotation_key_ok(key) or not _header_value_ok(value):
+            continue
+        size += len(key) + len(value)
+        if size > MAX_METADATA_BYTES:
+            raise RequestRejected("annotations", f"more than {MAX_METADATA_BYTES} bytes of metadata")
+        metadata.append((key, value))
+    return tuple(metadata)
+
+
+def _annotation_key_ok(key: str) -> bool:
+    if not key or key in _RESERVED_KEYS or key.startswith(_RESERVED_PREFIXES) or key.endswith("-bin"):
+        return False
+    return all(char in _KEY_CHARS for char in key)
+
+
+def _header_value_ok(value: str) -> bool:
+    # gRPC ASCII metadata: printable ASCII and space only.
+    return value.isascii() and value.isprintable()

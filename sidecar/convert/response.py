@@ -1,0 +1,252 @@
+"""OpenEngine ``GenerateResponse`` stream (upb) → Dynamo ``LLMEngineOutput`` chunk dicts.
+
+One :class:`ResponseMapper` per request checks the stream contract (wire reference §7.4) while it
+maps, and raises :class:`~sidecar.errors.ProtocolViolation` at the first breach, or
+:class:`~sidecar.errors.EngineFailure` for the terminal in-band ``EngineError``. Either way the
+mapper is then closed: nothing more is returned, and any later event is ``EVENT_AFTER_TERMINAL``.
+
+Chunk shape (``dynamo-runtime.md`` §3.5, §13):
+
+* ``token_ids`` on every chunk (Dynamo answers 500 without it), ``index`` on every chunk;
+* never ``text``: the frontend detokenizes from ids, and a chunk with ``text`` loses its logprobs;
+* ``log_probs`` and ``top_logprobs`` (``[[{rank, token_id, token, logprob}]]``, one list per token)
+  only when output logprobs were requested, only on chunks that carry tokens;
+* ``finish_reason`` ``stop`` / ``length`` / ``cancelled``, with ``stop_reason`` (the matched stop
+  token id, EOS id, or stop string) on ``stop``;
+* ``completion_usage`` exactly on the final chunk.
+
+Decisions:
+
+* Consecutive token events for the same output within one batch become one chunk, and a
+  ``finished`` event joins the chunk of the tokens just before it: Dynamo's cost is per chunk, and
+  multi-token chunks are handled like single-token ones.
+* A token event without tokens (TensorRT-LLM's stop-string hold-back sends text-only deltas)
+  produces no chunk; its text is ignored.
+* A missing selected-token logprob, or a non-finite one, becomes :data:`LOGPROB_FLOOR` (TensorRT-LLM's
+  own clamp for −inf): Dynamo needs a finite number, and a decode leg legitimately replays its first
+  token without one.
+* With ``logprobs=0`` each token's ``top_logprobs`` is empty: the frontend adds the selected token.
+* Usage is required on the final terminal (``MISSING_USAGE`` otherwise; TensorRT-LLM always sends
+  it). Zero counts from the engine are replaced by what the mapper saw (prompt length, tokens
+  streamed); ``total_tokens`` is recomputed; cached/reasoning tokens are clamped to their totals.
+* An ``error`` event discards the chunks mapped earlier in the same batch: the request fails (or
+  is migrated, and the next worker regenerates from what the client has actually received).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Final
+
+from openengine.v1 import generation_pb2
+
+from sidecar.errors import EngineFailure, ProtocolViolation, Violation
+
+from .enums import pb_enum
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ["LOGPROB_FLOOR", "Chunk", "ResponseMapper"]
+
+Chunk = dict[str, Any]
+
+#: Stand-in for a missing or non-finite logprob (TensorRT-LLM clamps −inf to this value too).
+LOGPROB_FLOOR: Final = -9999.0
+
+_STOP: Final = generation_pb2.FINISH_REASON_STOP
+_FINISH_REASONS: Final[dict[int, str]] = {
+    generation_pb2.FINISH_REASON_STOP: "stop",
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+    generation_pb2.FINISH_REASON_CANCELLED: "cancelled",
+}
+
+
+class ResponseMapper:
+    """Maps one request's ``GenerateResponse`` batches to chunk dicts, enforcing the stream contract."""
+
+    __slots__ = ("_closed", "_completion", "_finished", "_logprobs", "_n", "_open", "_prompt_tokens", "_request_id")
+
+    def __init__(self, request_id: str, *, n: int, logprobs: int | None, prompt_tokens: int) -> None:
+        """``n`` outputs were asked for; ``logprobs`` as requested (None = not asked)."""
+        if n < 1:
+            raise ValueError(f"n must be ≥ 1, got {n}")
+        self._request_id = request_id
+        self._n = n
+        self._logprobs = logprobs
+        self._prompt_tokens = prompt_tokens
+        self._finished = [False] * n
+        self._completion = [0] * n  # tokens returned per output
+        self._open = n  # outputs without a terminal yet
+        self._closed = False
+
+    @property
+    def done(self) -> bool:
+        """True once the stream reached its end: all outputs finished, an error, a violation, or a cancel."""
+        return self._closed
+
+    @property
+    def completion_tokens(self) -> int:
+        """Output tokens mapped so far, over all outputs."""
+        return sum(self._completion)
+
+    def _violation(self, violation: Violation, detail: str) -> ProtocolViolation:
+        self._closed = True
+        return ProtocolViolation(violation, detail)
+
+    def map(self, responses: Sequence[generation_pb2.GenerateResponse]) -> list[Chunk]:
+        """Map one batch of responses to chunks (possibly none). Raises on a breach or engine error."""
+        chunks: list[Chunk] = []
+        request_id = self._request_id
+        finished = self._finished
+        n = self._n
+        for response in responses:
+            if self._closed:
+                raise self._violation(Violation.EVENT_AFTER_TERMINAL, "event after the end of the stream")
+            if response.request_id != request_id:
+                raise self._violation(
+                    Violation.WRONG_REQUEST_ID, f"got request_id {response.request_id!r}, expected {request_id!r}"
+                )
+            kind = response.WhichOneof("event")
+            if kind == "token":
+                if response.HasField("usage"):
+                    raise self._violation(Violation.USAGE_BEFORE_END, "usage on a token event")
+                token = response.token
+                if not token.HasField("output_index"):
+                    raise self._violation(Violation.MISSING_OUTPUT_INDEX, "token event without output_index")
+                index: int = token.output_index
+                if index >= n:
+                    raise self._violation(Violation.OUTPUT_INDEX_OUT_OF_RANGE, f"token for output {index} of {n}")
+                if finished[index]:
+                    raise self._violation(Violation.EVENT_AFTER_TERMINAL, f"token after output {index} finished")
+                infos = token.tokens
+                if not infos:
+                    continue
+                ids = [info.token_id for info in infos]
+                self._completion[index] += len(ids)
+                last = chunks[-1] if chunks else None
+                if last is not None and last["index"] == index and "finish_reason" not in last:
+                    last["token_ids"].extend(ids)
+                    if self._logprobs is not None:
+                        self._add_logprobs(last, infos)
+                else:
+                    chunk: Chunk = {"token_ids": ids, "index": index}
+                    if self._logprobs is not None:
+                        chunk["log_probs"] = []
+                        chunk["top_logprobs"] = []
+                        self._add_logprobs(chunk, infos)
+                    chunks.append(chunk)
+            elif kind == "finished":
+                chunks.append(self._finish(response, chunks))
+            elif kind == "error":
+                error = response.error
+                self._closed = True
+                raise EngineFailure(error.code, error.message, error.retryable)
+            elif kind is None:
+                raise self._violation(Violation.EMPTY_EVENT, "response without an event")
+            elif kind == "prompt":
+                raise self._violation(Violation.UNEXPECTED_EVENT, "prompt event, prompt logprobs were not requested")
+            elif kind == "prefill_ready":
+                raise self._violation(Violation.UNEXPECTED_EVENT, "prefill_ready on an aggregated request")
+            else:  # a oneof member this build does not know cannot be parsed into one; defensive
+                raise self._violation(Violation.UNEXPECTED_EVENT, f"unknown event {kind!r}")
+        return chunks
+
+    def _add_logprobs(self, chunk: Chunk, infos: Sequence[generation_pb2.TokenInfo]) -> None:
+        log_probs: list[float] = chunk["log_probs"]
+        top_logprobs: list[list[dict[str, Any]]] = chunk["top_logprobs"]
+        alternatives = self._logprobs != 0
+        for info in infos:
+            logprob = info.logprob if info.HasField("logprob") else LOGPROB_FLOOR
+            # `not >` also catches NaN; −inf and NaN have no place in Dynamo's f64 logprobs.
+            log_probs.append(logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR)
+            if alternatives:
+                top_logprobs.append(
+                    [
+                        {
+                            "rank": c.rank if c.HasField("rank") else position,
+                            "token_id": c.token_id,
+                            "token": c.token or None,
+                            "logprob": c.logprob if c.logprob > LOGPROB_FLOOR else LOGPROB_FLOOR,
+                        }
+                        for position, c in enumerate(info.candidates, 1)
+                    ]
+                )
+            else:
+                top_logprobs.append([])
+
+    def _finish(self, response: generation_pb2.GenerateResponse, chunks: list[Chunk]) -> Chunk:
+        finished = response.finished
+        if not finished.HasField("output_index"):
+            raise self._violation(Violation.MISSING_OUTPUT_INDEX, "finished event without output_index")
+        index: int = finished.output_index
+        if index >= self._n:
+            raise self._violation(Violation.OUTPUT_INDEX_OUT_OF_RANGE, f"finished for output {index} of {self._n}")
+        if self._finished[index]:
+            raise self._violation(Violation.DUPLICATE_FINISH, f"output {index} finished twice")
+        reason = pb_enum(finished.reason, generation_pb2.FinishReason)
+        if reason == generation_pb2.FINISH_REASON_UNSPECIFIED:
+            raise self._violation(
+                Violation.UNSPECIFIED_FINISH_REASON, f"output {index} finished with reason {finished.reason}"
+            )
+        self._finished[index] = True
+        self._open -= 1
+        has_usage = response.HasField("usage")
+        if self._open and has_usage:
+            detail = f"usage on output {index}'s finish, {self._open} outputs still open"
+            raise self._violation(Violation.USAGE_BEFORE_END, detail)
+        if not self._open and not has_usage:
+            raise self._violation(Violation.MISSING_USAGE, "the final finished event carries no usage")
+
+        last = chunks.pop() if chunks and chunks[-1]["index"] == index else None
+        chunk: Chunk = last if last is not None else {"token_ids": [], "index": index}
+        chunk["finish_reason"] = _FINISH_REASONS[reason]
+        if reason == _STOP and finished.HasField("stop_match"):
+            match = finished.stop_match
+            which = match.WhichOneof("match")
+            if which is not None:
+                chunk["stop_reason"] = getattr(match, which)
+        if not self._open:
+            self._closed = True
+            chunk["completion_usage"] = self._usage(response.usage)
+        return chunk
+
+    def _usage(self, usage: generation_pb2.Usage) -> dict[str, Any]:
+        prompt: int = usage.prompt_tokens or self._prompt_tokens
+        completion: int = usage.completion_tokens or sum(self._completion)
+        result: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        if usage.HasField("cached_prompt_tokens"):
+            result["prompt_tokens_details"] = {"cached_tokens": min(usage.cached_prompt_tokens, prompt)}
+        if usage.HasField("reasoning_tokens"):
+            result["completion_tokens_details"] = {"reasoning_tokens": min(usage.reasoning_tokens, completion)}
+        return result
+
+    def end_of_stream(self) -> None:
+        """The engine closed the stream (status OK): raise ``EOF_BEFORE_TERMINAL`` unless it was complete."""
+        if not self._closed:
+            open_outputs = [i for i, done in enumerate(self._finished) if not done]
+            raise self._violation(Violation.EOF_BEFORE_TERMINAL, f"stream ended with outputs {open_outputs} unfinished")
+
+    def cancelled_chunk(self) -> Chunk:
+        """The final chunk for a request cancelled on our side: ``cancelled`` with partial usage.
+
+        Usage counts the prompt and the tokens returned so far. The chunk's ``index`` is the first
+        output still open. Closes the mapper; only valid while not :attr:`done`.
+        """
+        if self._closed:
+            raise RuntimeError("cancelled_chunk() after the stream ended")
+        self._closed = True
+        completion = sum(self._completion)
+        return {
+            "token_ids": [],
+            "index": self._finished.index(False),
+            "finish_reason": "cancelled",
+            "completion_usage": {
+                "prompt_tokens": self._prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": self._prompt_tokens + completion,
+            },
+        }

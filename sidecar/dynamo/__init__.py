@@ -1,0 +1,26 @@
+"""The Dynamo adapter: the only package that imports ``dynamo``.
+
+Trio code uses :func:`open_dynamo` and :class:`DynamoWorker`; every Dynamo call runs on the edge loop thread
+(``sidecar.edge``). Requests arrive on that thread and are handed to a trio :data:`RequestHandler` through the bridge;
+a :class:`sidecar.errors.SidecarError` it raises becomes the ``dynamo.llm.exceptions`` class its ``kind`` names.
+"""
+
+from ._handler import CANCELLED_CHUNK as CANCELLED_CHUNK
+from ._types import DynamoSettings as DynamoSettings
+from ._types import Registration as Registration
+from ._types import RequestContext as RequestContext
+from ._types import RequestHandler as RequestHandler
+from ._worker import DynamoWorker as DynamoWorker
+from ._worker import file_discovery_keys as file_discovery_keys
+from ._worker import open_dynamo as open_dynamo
+
+__all__ = [
+    "CANCELLED_CHUNK",
+    "DynamoSettings",
+    "DynamoWorker",
+    "Registration",
+    "RequestContext",
+    "RequestHandler",
+    "file_discovery_keys",
+    "open_dynamo",
+]

@@ -1,0 +1,167 @@
+"""Small typed wrappers around the untyped ``dynamo`` bindings. Every function here runs on the edge loop thread.
+
+Binding facts these wrappers encode (ai-dynamo-runtime 1.6.1):
+
+* ``register_model``, ``unregister_model`` and ``Endpoint.serve_endpoint`` return asyncio *futures*, not coroutines,
+  created on the calling thread's running loop: call them only inside a coroutine running on the edge loop.
+* ``ModelRuntimeConfig.set_engine_specific(key, value)`` parses ``value`` as JSON text ("expected value at line 1
+  column 1" for a bare string); ``runtime_data`` is read-only.
+* ``DistributedRuntime.shutdown()`` only triggers the runtime's cancellation token; deregistration, the wait for
+  in-flight requests and teardown follow asynchronously and end with ``serve_endpoint`` returning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any
+
+import dynamo.llm
+import dynamo.llm.exceptions
+import dynamo.runtime
+from dynamo.llm import ModelRuntimeConfig
+from dynamo.runtime import Context, DistributedRuntime, Endpoint
+
+from sidecar.errors import SidecarError
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
+
+    from ._types import DynamoSettings, Registration, WorkerRole
+
+__all__ = [
+    "Context",
+    "Endpoint",
+    "Runtime",
+    "create_runtime",
+    "dynamo_exception",
+    "register",
+    "restore",
+    "serve_endpoint",
+    "set_health",
+    "shutdown",
+    "unregister",
+    "withdraw",
+]
+
+
+Runtime = DistributedRuntime
+
+_WORKER_TYPES: dict[WorkerRole, Any] = {
+    "aggregated": dynamo.llm.WorkerType.Aggregated,
+    "prefill": dynamo.llm.WorkerType.Prefill,
+    "decode": dynamo.llm.WorkerType.Decode,
+    "encode": dynamo.llm.WorkerType.Encode,
+}
+
+
+async def create_runtime(settings: DynamoSettings) -> tuple[Runtime, Endpoint, int]:
+    """Create the ``DistributedRuntime`` on the running (edge) loop; returns it, our endpoint and our instance id."""
+    loop = asyncio.get_running_loop()
+    runtime = dynamo.runtime.DistributedRuntime(
+        loop, settings.discovery_backend, settings.request_plane, event_plane=settings.event_plane
+    )
+    endpoint = runtime.endpoint(settings.endpoint_path)
+    return runtime, endpoint, int(endpoint.connection_id())
+
+
+def _model_type(reg: Registration) -> Any:
+    if reg.worker_type == "prefill":
+        return dynamo.llm.ModelType.Prefill
+    kinds = {"chat": dynamo.llm.ModelType.Chat, "completions": dynamo.llm.ModelType.Completions}
+    model_type = kinds[reg.endpoint_types[0]]
+    for kind in reg.endpoint_types[1:]:
+        model_type = model_type | kinds[kind]
+    return model_type
+
+
+def _runtime_config(reg: Registration) -> ModelRuntimeConfig:
+    config = ModelRuntimeConfig()
+    config.data_parallel_size = reg.data_parallel_size
+    config.data_parallel_start_rank = reg.data_parallel_start_rank
+    # The integer setters refuse None (TypeError): leave unknown limits unset.
+    if reg.context_length is not None:
+        config.context_length = reg.context_length
+    if reg.total_kv_blocks is not None:
+        config.total_kv_blocks = reg.total_kv_blocks
+    if reg.max_num_seqs is not None:
+        config.max_num_seqs = reg.max_num_seqs
+    if reg.max_num_batched_tokens is not None:
+        config.max_num_batched_tokens = reg.max_num_batched_tokens
+    if reg.reasoning_parser is not None:
+        config.reasoning_parser = reg.reasoning_parser
+    if reg.tool_call_parser is not None:
+        config.tool_call_parser = reg.tool_call_parser
+    for key, value in reg.runtime_data.items():
+        config.set_engine_specific(key, json.dumps(value))
+    return config
+
+
+async def register(endpoint: Endpoint, reg: Registration) -> None:
+    """``register_model`` with everything ``reg`` carries. Calling it again with the same card is a no-op rewrite."""
+    model_input = dynamo.llm.ModelInput.Tokens if reg.model_input == "tokens" else dynamo.llm.ModelInput.Text
+    router_config = dynamo.llm.RouterConfig(dynamo.llm.RouterMode.KV) if reg.router_mode == "kv" else None
+    needs = [[_WORKER_TYPES[role] for role in group] for group in reg.needs] or None
+    await dynamo.llm.register_model(
+        model_input,
+        _model_type(reg),
+        endpoint,
+        reg.model_path,
+        reg.served_model_name,
+        worker_type=_WORKER_TYPES[reg.worker_type],
+        kv_cache_block_size=reg.kv_block_size,
+        router_config=router_config,
+        runtime_config=_runtime_config(reg),
+        needs=needs,
+        model_aliases=list(reg.aliases) or None,
+    )
+
+
+async def unregister(endpoint: Endpoint) -> None:
+    await dynamo.llm.unregister_model(endpoint)
+
+
+async def withdraw(endpoint: Endpoint) -> None:
+    await endpoint.unregister_endpoint_instance()
+
+
+async def restore(endpoint: Endpoint) -> None:
+    await endpoint.register_endpoint_instance()
+
+
+async def serve_endpoint(
+    endpoint: Endpoint,
+    handler: Callable[[dict[str, Any], Context], AsyncIterator[dict[str, Any]]],
+    health_check_payload: dict[str, Any] | None,
+) -> None:
+    """Serve until the runtime shuts down (graceful: in-flight requests finish first)."""
+    await endpoint.serve_endpoint(handler, graceful_shutdown=True, health_check_payload=health_check_payload)
+
+
+async def shutdown(runtime: Runtime) -> None:
+    runtime.shutdown()
+
+
+def set_health(runtime: Runtime, ready: bool) -> None:
+    runtime.set_health_status(ready)
+
+
+async def instance_ids(endpoint: Endpoint, clients: dict[str, Any]) -> list[int]:
+    """The instance ids discovery currently lists for our endpoint (a watching client, created once)."""
+    client = clients.get("client")
+    if client is None:
+        client = clients["client"] = await endpoint.client()
+    return [int(i) for i in client.instance_ids()]
+
+
+def dynamo_exception(error: BaseException) -> Exception:
+    """The ``dynamo.llm.exceptions`` instance a failure becomes when raised from the Dynamo handler.
+
+    A :class:`SidecarError` becomes the class its ``kind`` names, carrying its message (only ``InvalidArgument``'s
+    reaches the client). Anything else becomes ``Unknown`` (500): a stray ``TimeoutError`` or ``ConnectionError``
+    raised as is would be migrated by the frontend (504/503), ``ValueError`` would read as a 400.
+    """
+    if isinstance(error, SidecarError):
+        cls: type[Exception] = getattr(dynamo.llm.exceptions, error.kind.value, dynamo.llm.exceptions.Unknown)
+        return cls(error.message)
+    return dynamo.llm.exceptions.Unknown(f"{type(error).__name__}: {error}")

@@ -1,0 +1,112 @@
+"""Plain data crossing the adapter's boundary: settings, what registration carries, what a request handler gets."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+
+__all__ = [
+    "DiscoveryBackend",
+    "DynamoSettings",
+    "EndpointType",
+    "Registration",
+    "RequestContext",
+    "RequestHandler",
+    "WorkerRole",
+]
+
+DiscoveryBackend: TypeAlias = Literal["file", "etcd", "kubernetes"]
+EndpointType: TypeAlias = Literal["chat", "completions"]
+WorkerRole: TypeAlias = Literal["aggregated", "prefill", "decode", "encode"]
+
+_ROLES: frozenset[str] = frozenset({"aggregated", "prefill", "decode", "encode"})
+_ENDPOINT_TYPES: frozenset[str] = frozenset({"chat", "completions"})
+
+
+@dataclass(frozen=True, slots=True)
+class DynamoSettings:
+    """Where this worker lives in Dynamo: discovery backend, planes, and its ``namespace.component.endpoint``."""
+
+    discovery_backend: DiscoveryBackend = "file"
+    request_plane: Literal["tcp", "nats"] = "tcp"
+    event_plane: Literal["zmq", "nats"] = "zmq"
+    namespace: str = "dynamo"
+    component: str = "backend"
+    endpoint: str = "generate"
+
+    def __post_init__(self) -> None:
+        for part in (self.namespace, self.component, self.endpoint):
+            if not part or "." in part or "/" in part:
+                raise ValueError(f"invalid Dynamo endpoint part {part!r}")
+
+    @property
+    def endpoint_path(self) -> str:
+        """``namespace.component.endpoint``, the form ``DistributedRuntime.endpoint`` takes."""
+        return f"{self.namespace}.{self.component}.{self.endpoint}"
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """Everything the model card (MDC) and runtime config carry (``dynamo-sidecar.md`` §2: engine config).
+
+    ``runtime_data`` values must be JSON-serialisable: each becomes ``ModelRuntimeConfig.set_engine_specific(key,
+    json.dumps(value))``. ``needs`` is a DNF: a list of AND-sets of worker roles (``(("decode",),)`` for a prefill
+    worker). A prefill worker registers ``ModelType.Prefill`` whatever ``endpoint_types`` says.
+    """
+
+    model_path: str
+    served_model_name: str
+    model_input: Literal["tokens", "text"] = "tokens"
+    endpoint_types: tuple[EndpointType, ...] = ("chat", "completions")
+    worker_type: WorkerRole = "aggregated"
+    context_length: int | None = None
+    kv_block_size: int | None = None
+    total_kv_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    data_parallel_size: int = 1
+    data_parallel_start_rank: int = 0
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    aliases: tuple[str, ...] = ()
+    router_mode: Literal["kv"] | None = None
+    runtime_data: Mapping[str, Any] = field(default_factory=dict)
+    needs: tuple[tuple[WorkerRole, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.model_path or not self.served_model_name:
+            raise ValueError("model_path and served_model_name are required")
+        if self.worker_type not in _ROLES:
+            raise ValueError(f"unknown worker_type {self.worker_type!r}")
+        for role in (r for group in self.needs for r in group):
+            if role not in _ROLES:
+                raise ValueError(f"unknown worker role {role!r} in needs")
+        if self.worker_type != "prefill":
+            if not self.endpoint_types:
+                raise ValueError("endpoint_types must not be empty")
+            for kind in self.endpoint_types:
+                if kind not in _ENDPOINT_TYPES:
+                    raise ValueError(f"unknown endpoint type {kind!r}")
+        if self.data_parallel_size < 1 or self.data_parallel_start_rank < 0:
+            raise ValueError("data_parallel_size must be >= 1 and data_parallel_start_rank >= 0")
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """What the trio request handler learns about a request besides its body.
+
+    ``request_id`` is Dynamo's ``context.id()`` (the same id on both legs of a disaggregated request).
+    ``trace_headers`` holds ``traceparent``/``tracestate`` when the request carries trace context.
+    ``annotations`` are the request's ``nvext.annotations`` strings (``"key:value"``).
+    """
+
+    request_id: str
+    trace_headers: dict[str, str] = field(default_factory=dict)
+    annotations: tuple[str, ...] = ()
+
+
+#: A trio async generator function: ``handler(request, ctx)`` yields batches (non-empty lists) of Dynamo
+#: ``LLMEngineOutput`` chunk dicts, each with ``token_ids``. Raising a ``SidecarError`` ends the request with the
+#: matching Dynamo error; being cancelled means the client went away (or the worker is tearing down).
+RequestHandler: TypeAlias = Callable[[dict[str, Any], RequestContext], AsyncIterator[list[dict[str, Any]]]]

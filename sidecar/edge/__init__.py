@@ -1,0 +1,24 @@
+"""The asyncio edge: one dedicated uvloop thread and the trio ⇄ asyncio bridge.
+
+The only package where trio meets asyncio. grpclib (towards the engine) and Dynamo's bindings (towards the frontend)
+run on the edge loop; everything else is trio and reaches them through an :class:`Edge`::
+
+    async with open_edge() as edge:
+        info = await edge.run(stub.GetServerInfo, request)             # trio -> asyncio, one call
+        async with edge.open_stream(generate, request) as batches:     # trio consumes an asyncio iterator
+            async for batch in batches: ...                            # non-empty lists, bounded, errors intact
+        # on the edge thread (Dynamo's handler), asyncio consumes a trio iterator run in the request nursery:
+        #     async with contextlib.aclosing(edge.trio_stream(nursery, handle, request)) as batches: ...
+
+Rules the bridge keeps (measured, see grpc-stack.md §4): items cross in batches, one thread hop per batch and never
+per item; callbacks posted into trio never raise; asyncio objects are created on the edge thread only; cleanup on
+either side is shielded and time-bounded.
+"""
+
+from ._errors import BridgeCancelled as BridgeCancelled
+from ._errors import EdgeClosed as EdgeClosed
+from ._errors import EdgeError as EdgeError
+from ._thread import Edge as Edge
+from ._thread import open_edge as open_edge
+from ._to_asyncio import BatchStream as BatchStream
+from ._to_trio import AsyncioBatchStream as AsyncioBatchStream

@@ -1,0 +1,599 @@
+"""The OpenEngine client: a pool of grpclib channels on the edge loop, driven from trio.
+
+Theory of operation
+-------------------
+grpclib is asyncio-only, so every channel is created, used and closed **on the edge's asyncio thread**; trio code
+reaches it only through ``edge.run`` (unary RPCs) and ``edge.open_stream`` (server streams, delivered in batches).
+The functions prefixed ``_aio_`` below run on that thread and nowhere else. Each of them translates transport
+failures into :class:`~sidecar.errors.EngineRpcError` before the exception crosses the bridge, so trio code only
+ever sees our error type (or a cancellation).
+
+Rules kept here, each learnt the hard way (``grpc-stack.md``):
+
+* never ``break`` out of ``async with channel.request()`` (its ``__aexit__`` then waits for trailers while the server
+  keeps streaming); streams end by exhaustion, by an exception, or by cancellation, which resets the HTTP/2 stream;
+* every unary RPC carries a deadline (sent as ``grpc-timeout``), plus a slightly later trio backstop in case the
+  edge loop itself is wedged;
+* HTTP/2 windows are bounded, because grpclib's ``recv_message`` does not yield while data is buffered;
+* keepalive PINGs no faster than every 10 s (gRPC servers answer faster ones with GOAWAY ``too_many_pings``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
+
+import trio
+from grpclib.client import Channel
+from grpclib.config import Configuration
+from grpclib.const import Cardinality, Status
+from grpclib.encoding.proto import ProtoCodec
+from grpclib.exceptions import GRPCError
+from openengine.v1 import generation_pb2
+from openengine_bp.openengine.v1 import (
+    AbortRequest,
+    AbortResponse,
+    AllRequests,
+    ControlStub,
+    EngineRole,
+    GetKvEventSourcesRequest,
+    GetKvEventSourcesResponse,
+    GetLoadRequest,
+    GetModelInfoRequest,
+    GetServerInfoRequest,
+    HealthRequest,
+    HealthResponse,
+    KvSessionRef,
+    ListLorasRequest,
+    ListLorasResponse,
+    LoadInfo,
+    LoadLoraRequest,
+    LoadLoraResponse,
+    LoraAdapter,
+    ModelInfo,
+    ServerInfo,
+    SubscribeKvEventsRequest,
+    SubscribeKvEventsResponse,
+    UnloadLoraRequest,
+    UnloadLoraResponse,
+)
+
+from sidecar.edge import EdgeError
+from sidecar.errors import EngineRpcError, GrpcCode
+
+from ._compat import CLIENT_REVISION, PINNED_SCHEMA_RELEASE
+from ._metadata import TraceContext, check_metadata
+from ._status import to_engine_rpc_error
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+    from sidecar.edge import BatchStream, Edge
+
+    from ._config import EngineClientConfig
+
+__all__ = ["BatchIterator", "ChannelStats", "EngineClient", "open_engine_client"]
+
+log = logging.getLogger("sidecar.engine")
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+GENERATE_PATH: Final = "/openengine.v1.Inference/Generate"
+SUBSCRIBE_KV_EVENTS_PATH: Final = "/openengine.v1.Control/SubscribeKvEvents"
+# How much later than the gRPC deadline the trio side gives up on a unary RPC by itself: enough for the deadline to
+# fire on the edge loop and its error to cross the bridge, short enough to bound a wedged loop.
+_BACKSTOP_S: Final = 2.0
+# Bound of closing the pool (closing transports is synchronous on the loop; this only guards a wedged loop).
+_CLOSE_GRACE_S: Final = 5.0
+# wait_connected logs a repeated failure at most this often (and whenever the error text changes).
+_LOG_EVERY_S: Final = 30.0
+# Statuses that mean "not reachable yet": wait_connected keeps trying on these and fails fast on anything else
+# (an engine that answers UNIMPLEMENTED to GetServerInfo will not change its mind within the startup deadline).
+_RETRY_CODES: Final = frozenset(
+    {GrpcCode.UNAVAILABLE, GrpcCode.DEADLINE_EXCEEDED, GrpcCode.RESOURCE_EXHAUSTED, GrpcCode.CANCELLED}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelStats:
+    """Counters of one pooled connection (grpclib's own), for tests and metrics."""
+
+    index: int
+    connected: bool
+    calls_started: int
+    calls_succeeded: int
+    calls_failed: int
+
+
+class BatchIterator(Generic[_T]):
+    """The batches of one server stream: a trio async iterator of non-empty lists of messages.
+
+    Each batch is everything the edge loop received in one iteration (at most 1024 messages): handle a batch at a
+    time. After the last batch, a failure is raised as :class:`~sidecar.errors.EngineRpcError`.
+    """
+
+    __slots__ = ("_batches", "_rpc")
+
+    def __init__(self, rpc: str, batches: BatchStream[_T]) -> None:
+        self._rpc = rpc
+        self._batches = batches
+
+    def __aiter__(self) -> BatchIterator[_T]:
+        return self
+
+    async def __anext__(self) -> list[_T]:
+        try:
+            return await self._batches.__anext__()
+        except EdgeError as exc:
+            raise EngineRpcError(self._rpc, GrpcCode.UNAVAILABLE, f"the edge loop is gone: {exc}") from exc
+
+
+class _BoundedProtoCodec(ProtoCodec):
+    """grpclib's proto codec plus the message-size limit grpclib lacks (grpcio enforces one; we match it)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max_bytes = max_bytes
+
+    def encode(self, message: Any, message_type: Any) -> bytes:
+        data = super().encode(message, message_type)
+        if len(data) > self._max_bytes:
+            raise GRPCError(
+                Status.RESOURCE_EXHAUSTED, f"request of {len(data)} bytes exceeds the {self._max_bytes}-byte limit"
+            )
+        return data
+
+    def decode(self, data: bytes, message_type: Any) -> Any:
+        if len(data) > self._max_bytes:
+            raise GRPCError(
+                Status.RESOURCE_EXHAUSTED, f"response of {len(data)} bytes exceeds the {self._max_bytes}-byte limit"
+            )
+        return message_type.FromString(data)
+
+
+class EngineClient:
+    """One RPC method per OpenEngine RPC; use it through :func:`open_engine_client`.
+
+    Unary methods return betterproto2 messages and raise :class:`~sidecar.errors.EngineRpcError` for every failure
+    (non-OK status, deadline, transport loss). Each accepts ``trace`` (propagated as ``traceparent``/``tracestate``)
+    and ``timeout_s`` (defaults to ``config.rpc_timeout_s``).
+    """
+
+    def __init__(self, edge: Edge, config: EngineClientConfig, channels: list[Channel]) -> None:
+        self._edge = edge
+        self._config = config
+        self._channels = channels
+        self._control = ControlStub(channels[0])
+        self._next_index = itertools.cycle(range(len(channels))).__next__
+        self._closed = False
+
+    @property
+    def config(self) -> EngineClientConfig:
+        """The configuration the client was opened with."""
+        return self._config
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`aclose` has run."""
+        return self._closed
+
+    # ------------------------------------------------------------------ connection
+
+    async def wait_connected(self, deadline: float | None = None) -> ServerInfo:
+        """Retry ``GetServerInfo`` until the engine answers on every pooled connection; return its ``ServerInfo``.
+
+        :param deadline: absolute ``trio.current_time()``; default now + ``config.startup_deadline_s``.
+
+        One attempt every ``retry_interval_s``, each bounded by ``min(connect_attempt_timeout_s, remaining)``.
+        Failures are logged on the first occurrence, then at most every 30 s or when the error changes. Raises
+        ``EngineRpcError(GetServerInfo, UNAVAILABLE, "could not reach OpenEngine at host:port within Ns: …")`` at the
+        deadline, or the engine's error at once if it answers with a status that retrying cannot change.
+        """
+        cfg = self._config
+        start = trio.current_time()
+        if deadline is None:
+            deadline = start + cfg.startup_deadline_s
+        last_error = "no attempt made"
+        last_logged_error: str | None = None
+        last_logged_at = -math.inf
+        failures = 0
+        while True:
+            remaining = deadline - trio.current_time()
+            if remaining <= 0:
+                break
+            bound = min(cfg.connect_attempt_timeout_s, remaining)
+            try:
+                with trio.fail_after(bound):
+                    return await self._probe_pool(bound)
+            except trio.TooSlowError:
+                last_error = f"attempt timed out after {bound:g}s"
+            except EngineRpcError as exc:
+                if exc.code not in _RETRY_CODES:
+                    raise
+                last_error = exc.message
+            failures += 1
+            now = trio.current_time()
+            if last_error != last_logged_error or now - last_logged_at >= _LOG_EVERY_S:
+                log.info(
+                    "OpenEngine at %s not reachable yet (attempt %d, %.0fs left): %s",
+                    cfg.endpoint,
+                    failures,
+                    max(0.0, deadline - now),
+                    last_error,
+                )
+                last_logged_error, last_logged_at = last_error, now
+            await trio.sleep_until(min(deadline, now + cfg.retry_interval_s))
+        raise EngineRpcError(
+            "GetServerInfo",
+            GrpcCode.UNAVAILABLE,
+            f"could not reach OpenEngine at {cfg.endpoint} within {max(0.0, deadline - start):g}s: {last_error}",
+        )
+
+    async def _probe_pool(self, attempt_s: float) -> ServerInfo:
+        # Channel 0 first (it carries Control), then the rest in parallel, so every connection is up before traffic
+        # and a refused pool slot is seen at startup rather than on the first request routed to it.
+        info = await self._unary(
+            "GetServerInfo", self._control.get_server_info, GetServerInfoRequest(), None, attempt_s
+        )
+        errors: list[EngineRpcError] = []
+
+        async def probe(index: int) -> None:
+            try:
+                stub = ControlStub(self._channels[index])
+                await self._unary("GetServerInfo", stub.get_server_info, GetServerInfoRequest(), None, attempt_s)
+            except EngineRpcError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(1, len(self._channels)):
+                nursery.start_soon(probe, index)
+        if errors:
+            raise errors[0]
+        return info
+
+    async def channel_stats(self) -> list[ChannelStats]:
+        """Per-connection call counters (read on the edge loop, where grpclib updates them)."""
+        return await self._edge.run(_aio_channel_stats, self._channels)
+
+    async def aclose(self) -> None:
+        """Close every pooled connection; open streams fail with UNAVAILABLE. Idempotent."""
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        self._closed = True
+        with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_GRACE_S) as scope:
+            await self._edge.run(_aio_close_channels, self._channels)
+        if scope.cancelled_caught:
+            log.warning("closing the OpenEngine connections took more than %gs; abandoned", _CLOSE_GRACE_S)
+
+    # ------------------------------------------------------------------ Inference
+
+    @asynccontextmanager
+    async def generate(
+        self,
+        request: generation_pb2.GenerateRequest,
+        *,
+        metadata: Sequence[tuple[str, str]] = (),
+        trace: TraceContext | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[BatchIterator[generation_pb2.GenerateResponse]]:
+        """Open a ``Generate`` stream; yield an async iterator of non-empty batches of upb ``GenerateResponse``.
+
+        :param metadata: request metadata pairs, e.g. ``RequestMetadata(...).pairs()``; checked locally
+            (:class:`~sidecar.engine.MetadataError`) before any RPC.
+        :param trace: W3C trace context, appended to ``metadata``.
+        :param timeout_s: optional deadline of the whole stream (none by default: generations are long).
+
+        A non-OK status or a transport loss is raised as :class:`~sidecar.errors.EngineRpcError` after the batches
+        received before it. Leaving the context early cancels the gRPC stream (RST_STREAM), which makes the engine
+        abort the request. A terminal in-band ``EngineError`` is data at this layer, not an exception.
+        """
+        pairs = list(metadata)
+        if trace is not None:
+            pairs.extend(trace.pairs())
+        check_metadata(pairs)
+        channel = self._pick_channel("Generate")
+        async with self._server_stream(
+            "Generate",
+            channel,
+            GENERATE_PATH,
+            request,
+            generation_pb2.GenerateRequest,
+            generation_pb2.GenerateResponse,
+            pairs,
+            timeout_s,
+        ) as batches:
+            yield batches
+
+    # ------------------------------------------------------------------ Control
+
+    async def get_server_info(self, *, trace: TraceContext | None = None, timeout_s: float | None = None) -> ServerInfo:
+        """``Control.GetServerInfo``: engine identity, schema, role, models, capacity."""
+        return await self._unary(
+            "GetServerInfo", self._control.get_server_info, GetServerInfoRequest(), trace, timeout_s
+        )
+
+    async def get_model_info(
+        self, model: str, *, trace: TraceContext | None = None, timeout_s: float | None = None
+    ) -> ModelInfo:
+        """``Control.GetModelInfo`` for one of ``ServerInfo.supported_models`` (unknown → NOT_FOUND)."""
+        return await self._unary(
+            "GetModelInfo", self._control.get_model_info, GetModelInfoRequest(model=model), trace, timeout_s
+        )
+
+    async def get_load(
+        self, include_per_rank: bool = False, *, trace: TraceContext | None = None, timeout_s: float | None = None
+    ) -> LoadInfo:
+        """``Control.GetLoad``: live load (running requests, KV usage, optionally per DP rank)."""
+        return await self._unary(
+            "GetLoad", self._control.get_load, GetLoadRequest(include_per_rank=include_per_rank), trace, timeout_s
+        )
+
+    async def health(
+        self,
+        include_inference_probe: bool = False,
+        model: str = "",
+        role: EngineRole = EngineRole.UNSPECIFIED,
+        *,
+        trace: TraceContext | None = None,
+        timeout_s: float | None = None,
+    ) -> HealthResponse:
+        """``Control.Health``. The inference probe can take up to 30 s on TensorRT-LLM: pass a longer ``timeout_s``."""
+        request = HealthRequest(include_inference_probe=include_inference_probe, model=model, role=role)
+        return await self._unary("Health", self._control.health, request, trace, timeout_s)
+
+    async def abort(
+        self,
+        request_id: str | None = None,
+        *,
+        all_requests: bool = False,
+        kv_session: KvSessionRef | None = None,
+        trace: TraceContext | None = None,
+        timeout_s: float | None = None,
+    ) -> AbortResponse:
+        """``Control.Abort`` of exactly one target: a ``request_id``, ``all_requests=True``, or a ``kv_session``.
+
+        ``ABORT_STATUS_ALREADY_FINISHED`` is a success. Raises ``ValueError`` (before any RPC) unless exactly one
+        target is given — betterproto2 would put two oneof members on the wire without complaint.
+        """
+        targets = (request_id is not None) + bool(all_requests) + (kv_session is not None)
+        if targets != 1:
+            raise ValueError("abort needs exactly one target: request_id, all_requests=True or kv_session")
+        if request_id is not None:
+            request = AbortRequest(request_id=request_id)
+        elif kv_session is not None:
+            request = AbortRequest(kv_session=kv_session)
+        else:
+            request = AbortRequest(all_requests=AllRequests())
+        return await self._unary("Abort", self._control.abort, request, trace, timeout_s)
+
+    async def load_lora(
+        self,
+        lora_name: str,
+        source_path: str,
+        lora_id: int,
+        *,
+        trace: TraceContext | None = None,
+        timeout_s: float | None = None,
+    ) -> LoadLoraResponse:
+        """``Control.LoadLora`` (UNIMPLEMENTED on engines without LoRA, e.g. TensorRT-LLM's baseline)."""
+        request = LoadLoraRequest(adapter=LoraAdapter(lora_id=lora_id, lora_name=lora_name, source_path=source_path))
+        return await self._unary("LoadLora", self._control.load_lora, request, trace, timeout_s)
+
+    async def unload_lora(
+        self, lora_name: str, *, trace: TraceContext | None = None, timeout_s: float | None = None
+    ) -> UnloadLoraResponse:
+        """``Control.UnloadLora``."""
+        return await self._unary(
+            "UnloadLora", self._control.unload_lora, UnloadLoraRequest(lora_name=lora_name), trace, timeout_s
+        )
+
+    async def list_loras(
+        self, *, trace: TraceContext | None = None, timeout_s: float | None = None
+    ) -> ListLorasResponse:
+        """``Control.ListLoras``."""
+        return await self._unary("ListLoras", self._control.list_loras, ListLorasRequest(), trace, timeout_s)
+
+    async def get_kv_event_sources(
+        self, ranks: Sequence[int] = (), *, trace: TraceContext | None = None, timeout_s: float | None = None
+    ) -> GetKvEventSourcesResponse:
+        """``Control.GetKvEventSources`` for the given data-parallel ranks (empty = all)."""
+        request = GetKvEventSourcesRequest(data_parallel_ranks=list(ranks))
+        return await self._unary("GetKvEventSources", self._control.get_kv_event_sources, request, trace, timeout_s)
+
+    @asynccontextmanager
+    async def subscribe_kv_events(
+        self,
+        request: SubscribeKvEventsRequest,
+        *,
+        trace: TraceContext | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[BatchIterator[SubscribeKvEventsResponse]]:
+        """``Control.SubscribeKvEvents`` as batches, like :meth:`generate` (a failure ends with a final ``error``
+        event and status OK; that event is data here)."""
+        pairs = trace.pairs() if trace is not None else []
+        self._check_open("SubscribeKvEvents")
+        async with self._server_stream(
+            "SubscribeKvEvents",
+            self._channels[0],
+            SUBSCRIBE_KV_EVENTS_PATH,
+            request,
+            SubscribeKvEventsRequest,
+            SubscribeKvEventsResponse,
+            pairs,
+            timeout_s,
+        ) as batches:
+            yield batches
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_open(self, rpc: str) -> None:
+        if self._closed:
+            # UNAVAILABLE, not a local error: during shutdown a request that races the close can go elsewhere.
+            raise EngineRpcError(rpc, GrpcCode.UNAVAILABLE, "the engine client is closed")
+
+    def _pick_channel(self, rpc: str) -> Channel:
+        self._check_open(rpc)
+        return self._channels[self._next_index()]
+
+    @asynccontextmanager
+    async def _server_stream(
+        self,
+        rpc: str,
+        channel: Channel,
+        path: str,
+        request: Any,
+        request_type: type[Any],
+        response_type: type[_T],
+        metadata: list[tuple[str, str]],
+        timeout_s: float | None,
+    ) -> AsyncIterator[BatchIterator[_T]]:
+        async with AsyncExitStack() as stack:
+            try:
+                batches = await stack.enter_async_context(
+                    self._edge.open_stream(
+                        _aio_server_stream,
+                        rpc,
+                        channel,
+                        path,
+                        request,
+                        request_type,
+                        response_type,
+                        metadata,
+                        timeout_s,
+                    )
+                )
+            except EdgeError as exc:
+                raise EngineRpcError(rpc, GrpcCode.UNAVAILABLE, f"the edge loop is gone: {exc}") from exc
+            yield BatchIterator(rpc, batches)
+
+    async def _unary(
+        self,
+        rpc: str,
+        method: Callable[..., Awaitable[_R]],
+        request: Any,
+        trace: TraceContext | None,
+        timeout_s: float | None,
+    ) -> _R:
+        self._check_open(rpc)
+        timeout = self._config.rpc_timeout_s if timeout_s is None else timeout_s
+        pairs = trace.pairs() if trace is not None else None
+        with trio.move_on_after(timeout + _BACKSTOP_S) as scope:
+            try:
+                return await self._edge.run(_aio_unary, rpc, method, request, timeout, pairs)
+            except EdgeError as exc:
+                # The loop carrying the connections shut down (or cancelled the call) under us: for the caller that
+                # is the engine becoming unreachable.
+                raise EngineRpcError(rpc, GrpcCode.UNAVAILABLE, f"the edge loop is gone: {exc}") from exc
+        assert scope.cancelled_caught
+        raise EngineRpcError(rpc, GrpcCode.DEADLINE_EXCEEDED, f"no answer within {timeout:g}s (client backstop)")
+
+
+@asynccontextmanager
+async def open_engine_client(edge: Edge, config: EngineClientConfig) -> AsyncIterator[EngineClient]:
+    """Open the connection pool on ``edge``'s loop; close it on exit (idempotent, also via ``client.aclose()``).
+
+    Connections are made lazily by grpclib; call :meth:`EngineClient.wait_connected` to wait for the engine.
+    """
+    log.info(
+        "OpenEngine client for %s: %d connection(s), schema release %s, client revision %d",
+        config.endpoint,
+        config.connections,
+        PINNED_SCHEMA_RELEASE,
+        CLIENT_REVISION,
+    )
+    channels = await edge.run(_aio_open_channels, config)
+    client = EngineClient(edge, config, channels)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+# ---------------------------------------------------------------------- edge-loop side (asyncio)
+
+
+async def _aio_open_channels(config: EngineClientConfig) -> list[Channel]:
+    # Channel() binds to the running loop (asyncio.get_event_loop()), hence created here, on the edge thread.
+    grpc_config = Configuration(
+        _keepalive_time=config.keepalive_interval_s,
+        _keepalive_timeout=config.keepalive_timeout_s,
+        # Ping only while streams are open; the engine is local, idle connections need no probing.
+        _keepalive_permit_without_calls=False,
+        # grpclib counts pings "without data" by what *we* send; a long receive-only Generate stream would stop
+        # being probed after 2 pings. The interval (>= 10 s) already keeps gRPC servers' ping policy happy.
+        _http2_max_pings_without_data=0,
+        # grpclib's default (300 s) would silently stretch the configured interval.
+        _http2_min_sent_ping_interval_without_data=config.keepalive_interval_s,
+        http2_stream_window_size=config.stream_window_bytes,
+        http2_connection_window_size=config.connection_window_bytes,
+    )
+    codec = _BoundedProtoCodec(config.max_message_bytes)
+    host, port = config.endpoint.host, config.endpoint.port
+    return [Channel(host, port, codec=codec, config=grpc_config) for _ in range(config.connections)]
+
+
+async def _aio_close_channels(channels: list[Channel]) -> None:
+    for channel in channels:
+        channel.close()  # idempotent in grpclib: closes the transport if there is one
+
+
+async def _aio_channel_stats(channels: list[Channel]) -> list[ChannelStats]:
+    return [
+        ChannelStats(
+            index=i,
+            connected=ch._connected,
+            calls_started=ch._calls_started,
+            calls_succeeded=ch._calls_succeeded,
+            calls_failed=ch._calls_failed,
+        )
+        for i, ch in enumerate(channels)
+    ]
+
+
+async def _aio_unary(
+    rpc: str,
+    method: Callable[..., Awaitable[_R]],
+    request: Any,
+    grpc_timeout_s: float,
+    metadata: list[tuple[str, str]] | None,
+) -> _R:
+    try:
+        return await method(request, timeout=grpc_timeout_s, metadata=metadata)
+    except Exception as exc:
+        error = to_engine_rpc_error(rpc, exc)
+        if error is None:
+            raise
+        raise error from exc
+
+
+async def _aio_server_stream(
+    rpc: str,
+    channel: Channel,
+    path: str,
+    request: Any,
+    request_type: type[Any],
+    response_type: type[Any],
+    metadata: list[tuple[str, str]],
+    grpc_timeout_s: float | None,
+) -> AsyncIterator[Any]:
+    try:
+        async with channel.request(
+            path, Cardinality.UNARY_STREAM, request_type, response_type, metadata=metadata, timeout=grpc_timeout_s
+        ) as stream:
+            await stream.send_message(request, end=True)
+            recv = stream.recv_message
+            # Ends by exhaustion only (never `break` in here): __aexit__ then reads the trailers and raises a
+            # non-OK status. Cancellation (consumer left) unwinds through __aexit__, which resets the stream.
+            while (message := await recv()) is not None:
+                yield message
+    except Exception as exc:
+        error = to_engine_rpc_error(rpc, exc)
+        if error is None:
+            raise
+        raise error from exc
+    # asyncio.CancelledError and GeneratorExit are BaseExceptions: they pass through `except Exception` untouched.

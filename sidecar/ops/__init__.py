@@ -1,0 +1,1 @@
+"""Operator surface: metrics (and, later, the live state feed)."""

@@ -1,0 +1,289 @@
+"""One trio task per request: request machine, engine stream, cancellation, abort.
+
+The Dynamo adapter runs :meth:`RequestServer.handle` (a trio async generator) for every request Dynamo hands the
+worker, inside the worker's request nursery. The shape that guarantees exactly one terminal state per request:
+
+* validation and conversion before any RPC (``reject`` → HTTP 400, the engine never hears of the request);
+* ``submit`` when the Generate stream is opened; from then on every exit that is not the engine's own end sends
+  ``Control.Abort(request_id)`` — shielded and time-bounded — besides cancelling the stream (RST_STREAM);
+* the final chunk is held until the engine closes the stream, so an event after the terminal still fails the
+  request instead of slipping out after a success;
+* a stop from the frontend cancels the task from outside (``cancel``); the worker cancels a request's own scope with
+  a reason (drain deadline, engine lost), which becomes the matching migratable error.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import trio
+
+from openengine.v1 import generation_pb2
+from sidecar.convert import HEALTH_CANARY_PAYLOAD, build_generate_request
+from sidecar.errors import (
+    EngineGone,
+    EngineRpcError,
+    ProtocolViolation,
+    RequestRejected,
+    SidecarError,
+    WorkerDraining,
+)
+from sidecar.ops import metrics
+from statemachines import RequestLifecycle
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from sidecar.convert import Capabilities
+    from sidecar.dynamo import RequestContext
+    from sidecar.engine import EngineClient
+
+log: Final = logging.getLogger("sidecar.requests")
+
+#: Marks the worker's own health canary so it is answered with Control.Health instead of a generation.
+CANARY_KEY: Final = "openengine_sidecar_canary"
+#: Health canary payload handed to Dynamo (``serve_endpoint(health_check_payload=...)``).
+CANARY_PAYLOAD: Final[dict[str, Any]] = {**HEALTH_CANARY_PAYLOAD, CANARY_KEY: True}
+
+# After the terminal event the engine closes the stream at once (TensorRT-LLM does); one that does not is
+# tolerated, but not waited for longer than this.
+_EOF_GRACE_S: Final = 2.0
+
+
+_Batch = list[generation_pb2.GenerateResponse]
+
+
+class HungEngine(EngineGone):
+    """The engine sent nothing for the request for longer than the inactivity timeout."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServingContext:
+    """What every request needs, fixed once discovery is done (replaced when the engine is rediscovered)."""
+
+    client: EngineClient
+    caps: Capabilities
+    model: str
+    context_length: int
+    abort_timeout_s: float
+    inactivity_timeout_s: float
+
+
+@dataclass(slots=True, eq=False)
+class ActiveRequest:
+    """A request between its arrival and its terminal state; the worker ends it early with :meth:`cancel`.
+
+    The request task never holds a cancel scope across a ``yield`` (the consumer's code would run inside it), so a
+    worker cancellation interrupts only the task's awaits on the engine: ``waiting`` is the scope of the await in
+    progress, and the next await after a ``yield`` checks ``worker_error`` first.
+    """
+
+    lifecycle: RequestLifecycle
+    waiting: trio.CancelScope | None = None
+    # Set when the worker ends the request; it is what the client is told (a migratable error).
+    worker_error: SidecarError | None = None
+
+    def cancel(self, error: SidecarError) -> None:
+        """End the request from the worker's side (drain deadline, engine lost) with ``error`` for the client."""
+        if self.worker_error is None:
+            self.worker_error = error
+        if self.waiting is not None:
+            self.waiting.cancel(reason=error.message)
+
+    async def next_batch(self, stream: AsyncIterator[_Batch], timeout_s: float) -> _Batch | None:
+        """The next batch from the engine, None at the end of the stream; raises on worker cancel or hang."""
+        if self.worker_error is not None:
+            raise self.worker_error
+        with trio.CancelScope(deadline=trio.current_time() + timeout_s) as scope:
+            self.waiting = scope
+            try:
+                return await anext(stream)
+            except StopAsyncIteration:
+                return None
+            finally:
+                self.waiting = None
+        if self.worker_error is not None:
+            raise self.worker_error
+        raise HungEngine(f"engine sent nothing for {timeout_s:g}s (request {self.lifecycle.request_id})")
+
+
+class RequestServer:
+    """Serves requests against the current :class:`ServingContext` and tracks the ones in flight."""
+
+    def __init__(self) -> None:
+        self._serving: ServingContext | None = None
+        self._active: dict[str, ActiveRequest] = {}
+        self._idle = trio.Event()
+        self._idle.set()
+
+    @property
+    def serving(self) -> ServingContext | None:
+        return self._serving
+
+    def attach(self, serving: ServingContext | None) -> None:
+        """Start (or, with None, stop) serving: without a context new requests get a migratable error."""
+        self._serving = serving
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    def active_requests(self) -> list[ActiveRequest]:
+        return list(self._active.values())
+
+    async def wait_idle(self) -> None:
+        """Return once no request is in flight."""
+        while self._active:
+            await self._idle.wait()
+
+    def cancel_all(self, error: SidecarError) -> int:
+        """Cancel every in-flight request with ``error`` as what its client is told; returns how many."""
+        active = list(self._active.values())
+        for request in active:
+            request.cancel(error)
+        return len(active)
+
+    async def handle(self, request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[list[dict[str, Any]]]:
+        """The trio request handler given to the Dynamo adapter: yields batches of ``LLMEngineOutput`` chunks."""
+        serving = self._serving
+        if serving is None:
+            raise WorkerDraining("worker is not serving (starting, degraded or draining); retry on another worker")
+        if request.get(CANARY_KEY) is True:
+            yield [await _answer_canary(serving)]
+            return
+        lifecycle = RequestLifecycle(ctx.request_id)
+        metrics.REQUESTS_RECEIVED.inc()
+        try:
+            trace = dict(ctx.trace_headers)
+            call = build_generate_request(
+                request,
+                request_id=ctx.request_id,
+                model=serving.model,
+                caps=serving.caps,
+                context_length=serving.context_length,
+                trace=trace,
+            )
+        except RequestRejected as exc:
+            lifecycle.fire("reject", reason=str(exc))
+            metrics.REQUESTS_ENDED.labels(outcome="rejected").inc()
+            log.info("request %s rejected: %s", ctx.request_id, exc)
+            raise
+        if ctx.request_id in self._active:
+            lifecycle.fire("reject", reason="duplicate request id")
+            metrics.REQUESTS_ENDED.labels(outcome="rejected").inc()
+            raise RequestRejected("request_id", f"{ctx.request_id!r} is already in flight on this worker")
+
+        active = ActiveRequest(lifecycle)
+        self._active[ctx.request_id] = active
+        self._idle = trio.Event()
+        mapper = call.response_mapper()
+        engine_holds_request = False
+        outcome = "failed"
+        try:
+            lifecycle.fire("submit")
+            engine_holds_request = True
+            async with serving.client.generate(call.request, metadata=call.metadata) as batches:
+                stream = aiter(batches)
+                final: list[dict[str, Any]] = []
+                while True:
+                    # After the terminal event the engine closes the stream at once; wait briefly for that close so
+                    # an event after the terminal still fails the request instead of following a success.
+                    timeout_s = _EOF_GRACE_S if mapper.done else serving.inactivity_timeout_s
+                    try:
+                        batch = await active.next_batch(stream, timeout_s)
+                    except HungEngine:
+                        if not mapper.done:
+                            raise
+                        log.warning("request %s: engine kept the stream open after its terminal", ctx.request_id)
+                        break
+                    if batch is None:
+                        break
+                    chunks = mapper.map(batch)
+                    if mapper.done:
+                        final.extend(chunks)
+                        continue
+                    if lifecycle.state == "submitted":
+                        lifecycle.fire("first_token")
+                    if chunks:
+                        yield chunks
+            # The stream ended on its own: the engine no longer holds the request.
+            engine_holds_request = False
+            mapper.end_of_stream()
+            lifecycle.fire("finish")
+            outcome = "finished"
+            if final:
+                yield final
+        except (trio.Cancelled, GeneratorExit):
+            # The client (or Dynamo) stopped the request.
+            if lifecycle.fire("cancel", reason="stopped by the client"):
+                outcome = "cancelled"
+            raise
+        except ProtocolViolation as exc:
+            metrics.PROTOCOL_VIOLATIONS.labels(violation=exc.violation.value).inc()
+            lifecycle.fire("fail", reason=str(exc))
+            log.error("request %s: %s", ctx.request_id, exc)
+            raise
+        except EngineRpcError as exc:
+            # An engine that broke off the stream forgot the request; a refusal before acceptance never held it.
+            engine_holds_request = False
+            lifecycle.fire("fail", reason=str(exc))
+            log.warning("request %s: %s", ctx.request_id, exc)
+            raise
+        except SidecarError as exc:
+            if exc is active.worker_error:
+                # Ended by the worker (drain deadline, engine lost): cancelled, and the client migrates.
+                lifecycle.fire("cancel", reason=str(exc))
+                outcome = "cancelled"
+                raise
+            lifecycle.fire("fail", reason=str(exc))
+            log.warning("request %s: %s", ctx.request_id, exc)
+            raise
+        except Exception as exc:
+            lifecycle.fire("fail", reason=f"{type(exc).__name__}: {exc}")
+            log.exception("request %s failed", ctx.request_id)
+            raise
+        finally:
+            # Every path reaches a terminal state; a cancel after a terminal is a documented no-op.
+            lifecycle.fire("cancel", reason="request task ended")
+            metrics.REQUESTS_ENDED.labels(outcome=outcome).inc()
+            if engine_holds_request:
+                await _abort(serving, ctx.request_id)
+            del self._active[ctx.request_id]
+            if not self._active:
+                self._idle.set()
+
+
+async def _abort(serving: ServingContext, request_id: str) -> None:
+    # Cancelling the stream already makes a well-behaved engine abort; the explicit Abort covers engines that keep
+    # going, and is idempotent (ALREADY_FINISHED). Shielded so a cancelled task still sends it, bounded so a hung
+    # engine cannot hold the task.
+    with trio.CancelScope(shield=True), trio.move_on_after(serving.abort_timeout_s) as bound:
+        started = trio.current_time()
+        try:
+            await serving.client.abort(request_id, timeout_s=serving.abort_timeout_s)
+            metrics.ABORTS.labels(result="sent").inc()
+        except EngineRpcError as exc:
+            metrics.ABORTS.labels(result="failed").inc()
+            log.warning("abort of %s failed: %s", request_id, exc)
+        metrics.ABORT_LATENCY.observe(trio.current_time() - started)
+    if bound.cancelled_caught:
+        metrics.ABORTS.labels(result="timeout").inc()
+        log.warning("abort of %s did not complete within %gs", request_id, serving.abort_timeout_s)
+
+
+async def _answer_canary(serving: ServingContext) -> dict[str, Any]:
+    # Dynamo's canary checks the worker end to end; answering it with Control.Health keeps the engine's batch free
+    # of probe generations and fails it exactly when the engine is not ready.
+    response = await serving.client.health(timeout_s=serving.abort_timeout_s)
+    if int(response.state) != 2:  # HEALTH_STATE_READY
+        raise EngineGone(f"engine health is {response.state!r}")
+    prompt = len(HEALTH_CANARY_PAYLOAD["token_ids"])
+    return {
+        "token_ids": [],
+        "finish_reason": "stop",
+        "completion_usage": {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt},
+    }
+
+

@@ -1,0 +1,268 @@
+"""The mock's KV block pool: fixed-size blocks, chained block hashes, prefix reuse, LRU eviction.
+
+Theory of operation
+-------------------
+A sequence's tokens live in blocks of ``block_size`` tokens. A *full* block is identified by a chained hash over its
+parent block's hash and its own token ids (plus a namespace for LoRA / cache salt), so two requests whose prompts share
+a prefix share the hashes of the full blocks of that prefix. Every block is in exactly one of three places:
+
+* **free** — empty, never registered (or reset): handed out first;
+* **in use** — ``ref_count > 0``: pinned by one or more requests (shared prefix blocks have several references);
+* **evictable** — registered (hashed, reusable) but unreferenced: kept in LRU order and reused by a later prefix hit,
+  or evicted (oldest first) when the free list is empty.
+
+Admission follows TensorRT-LLM's default ``GUARANTEED_NO_EVICT`` policy: a request is admitted only when every block it
+could ever need (prompt + ``max_tokens`` for each output) can be *reserved*; afterwards it takes physical blocks from its
+reservation as its sequence grows, so a running request never waits for blocks and the pool never deadlocks. The
+unused rest of the reservation is returned when the request ends.
+
+Every registration and eviction is reported as a :class:`BlockStored` / :class:`BlockRemoved` event to subscribers and
+kept in a bounded in-process log, so a later KV-event RPC can stream them.
+
+Block hash (``BLOCK_HASH_ALGO = "mock-blake2b64-v1"``): ``blake2b(digest_size=8)`` over
+``parent (8 bytes, little-endian signed; 8 zero bytes for the first block) || len(namespace) (4 bytes LE) ||
+namespace (UTF-8 "lora_name\\0cache_salt", empty when both are unset) || token ids (uint32 LE each)``, read back as a
+little-endian **signed int64**.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import struct
+from collections.abc import Callable, Sequence
+
+__all__ = [
+    "BLOCK_HASH_ALGO",
+    "Allocation",
+    "Block",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "KvEvent",
+    "block_hash",
+    "block_namespace",
+    "prompt_block_hashes",
+]
+
+BLOCK_HASH_ALGO = "mock-blake2b64-v1"
+_NO_PARENT = bytes(8)
+
+
+def block_namespace(lora_name: str | None, cache_salt: str | None) -> bytes:
+    """The hash namespace of a request: empty for the base model without a cache salt."""
+    if not lora_name and not cache_salt:
+        return b""
+    return f"{lora_name or ''}\0{cache_salt or ''}".encode()
+
+
+def block_hash(parent: int | None, token_ids: Sequence[int], namespace: bytes = b"") -> int:
+    """The chained 64-bit hash of one full block (see the module docstring for the exact byte layout)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(_NO_PARENT if parent is None else parent.to_bytes(8, "little", signed=True))
+    h.update(len(namespace).to_bytes(4, "little"))
+    h.update(namespace)
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, namespace: bytes = b"") -> list[int]:
+    """Hashes of the full blocks of ``token_ids``, chained from the first block."""
+    hashes: list[int] = []
+    parent: int | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, token_ids[start : start + block_size], namespace)
+        hashes.append(parent)
+    return hashes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockStored:
+    """A full block became reusable (registered under ``block_hash``)."""
+
+    block_hash: int
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_name: str | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """A registered block was evicted; its hash no longer matches."""
+
+    block_hash: int
+
+
+KvEvent = BlockStored | BlockRemoved
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Block:
+    """One physical block. ``block_hash`` is set while the block is registered (reusable)."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+    lora_name: str | None = None
+
+
+class Allocation:
+    """The blocks one request holds: pinned prefix hits, blocks taken from its reservation, and the rest reserved."""
+
+    __slots__ = ("_pool", "blocks", "cached_blocks", "reserved")
+
+    def __init__(self, pool: BlockPool, hits: list[Block], reserved: int) -> None:
+        self._pool = pool
+        self.blocks: list[Block] = list(hits)
+        self.cached_blocks = len(hits)
+        self.reserved = reserved
+
+    def take(self) -> Block:
+        """A fresh block for this request (from its reservation)."""
+        return self._pool._take(self)
+
+    def release(self) -> None:
+        """Give every block and the unused reservation back (idempotent)."""
+        self._pool._release(self)
+
+
+class BlockPool:
+    """A fixed pool of ``total_blocks`` blocks of ``block_size`` tokens with prefix caching."""
+
+    def __init__(self, total_blocks: int, block_size: int, *, event_log_size: int = 10_000) -> None:
+        if total_blocks <= 0 or block_size <= 0:
+            raise ValueError("total_blocks and block_size must be positive")
+        self.total_blocks = total_blocks
+        self.block_size = block_size
+        self._blocks = [Block(i) for i in range(total_blocks)]
+        self._free: collections.deque[Block] = collections.deque(self._blocks)
+        self._evictable: collections.OrderedDict[int, Block] = collections.OrderedDict()  # block_id → block, LRU first
+        self._by_hash: dict[int, Block] = {}
+        self._reserved = 0
+        self._listeners: list[Callable[[KvEvent], None]] = []
+        #: The most recent events, oldest first (bounded); a KV-event stream can replay from here.
+        self.event_log: collections.deque[KvEvent] = collections.deque(maxlen=event_log_size)
+
+    # -- observation -------------------------------------------------------------------------------------------------
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks pinned by requests (``ref_count > 0``)."""
+        return self.total_blocks - len(self._free) - len(self._evictable)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Registered blocks (in use or evictable)."""
+        return len(self._by_hash)
+
+    @property
+    def available_blocks(self) -> int:
+        """Blocks a new admission may still reserve."""
+        return len(self._free) + len(self._evictable) - self._reserved
+
+    def subscribe(self, listener: Callable[[KvEvent], None]) -> Callable[[], None]:
+        """Call ``listener(event)`` for every future event (synchronously); returns an unsubscribe function."""
+        self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return unsubscribe
+
+    # -- admission ---------------------------------------------------------------------------------------------------
+
+    def match_prefix(self, hashes: Sequence[int]) -> list[Block]:
+        """The registered blocks matching the longest prefix of ``hashes`` (nothing is pinned)."""
+        hits: list[Block] = []
+        for h in hashes:
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def try_admit(self, hashes: Sequence[int], blocks_needed: int) -> Allocation | None:
+        """Pin the prefix hits of ``hashes`` and reserve the remaining ``blocks_needed``, or ``None`` if it can't fit.
+
+        ``blocks_needed`` counts every block the request may hold, hits included.
+        """
+        hits = self.match_prefix(hashes)
+        new_blocks = max(0, blocks_needed - len(hits))
+        evictable_hits = sum(1 for b in hits if b.ref_count == 0)
+        if new_blocks + evictable_hits > self.available_blocks:
+            return None
+        for block in hits:
+            if block.ref_count == 0:
+                del self._evictable[block.block_id]
+            block.ref_count += 1
+        self._reserved += new_blocks
+        return Allocation(self, hits, new_blocks)
+
+    def register(self, block: Block, block_hash_: int, parent_hash: int | None, token_ids: Sequence[int],
+                 lora_name: str | None = None) -> bool:
+        """Make a full block reusable under ``block_hash_``; ``False`` if that hash is already registered."""
+        if block.block_hash is not None or block_hash_ in self._by_hash:
+            return False
+        block.block_hash = block_hash_
+        block.parent_hash = parent_hash
+        block.token_ids = tuple(token_ids)
+        block.lora_name = lora_name
+        self._by_hash[block_hash_] = block
+        self._emit(BlockStored(block_hash_, parent_hash, block.token_ids, self.block_size, lora_name))
+        return True
+
+    # -- internals ---------------------------------------------------------------------------------------------------
+
+    def _take(self, alloc: Allocation) -> Block:
+        if alloc.reserved > 0:
+            alloc.reserved -= 1
+            self._reserved -= 1
+        elif self.available_blocks <= 0:
+            raise RuntimeError("KV block pool exhausted beyond the reservation")
+        if self._free:
+            block = self._free.popleft()
+        else:
+            _, block = self._evictable.popitem(last=False)
+            self._unregister(block, announce=True)
+        block.ref_count = 1
+        alloc.blocks.append(block)
+        return block
+
+    def _release(self, alloc: Allocation) -> None:
+        self._reserved -= alloc.reserved
+        alloc.reserved = 0
+        # Tail blocks first, so the LRU evicts a sequence's tail before its (more shareable) head.
+        for block in reversed(alloc.blocks):
+            block.ref_count -= 1
+            if block.ref_count > 0:
+                continue
+            if block.block_hash is not None:
+                self._evictable[block.block_id] = block
+            else:
+                self._reset(block)
+                self._free.append(block)
+        alloc.blocks.clear()
+
+    def _unregister(self, block: Block, *, announce: bool) -> None:
+        if block.block_hash is not None:
+            del self._by_hash[block.block_hash]
+            if announce:
+                self._emit(BlockRemoved(block.block_hash))
+        self._reset(block)
+
+    @staticmethod
+    def _reset(block: Block) -> None:
+        block.block_hash = None
+        block.parent_hash = None
+        block.token_ids = ()
+        block.lora_name = None
+
+    def _emit(self, event: KvEvent) -> None:
+        self.event_log.append(event)
+        for listener in tuple(self._listeners):
+            listener(event)

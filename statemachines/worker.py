@@ -1,0 +1,255 @@
+"""The worker lifecycle: one per sidecar process, from start-up through serving to a clean or failed exit."""
+
+# Theory of operation
+# ===================
+#
+# Everything that changes the worker's lifecycle lives in the tables below; the worker code (`sidecar/worker.py`)
+# only *reports* what happened by firing events, and reacts to states through observers.  Transitions written by
+# hand anywhere else are invisible to `docs/state-machines.md` (generated from these tables by
+# `scripts/gen_state_docs.py`) -- so there must be none.  This file does not know about trio, gRPC or Dynamo; it
+# names what the worker is doing, not how.
+#
+# The happy path is a straight line, one state per start-up phase, each left by exactly one event fired when the
+# phase's work has *finished* (nursery.start()/task_status.started() style, so "serving" is never claimed early):
+#
+#   starting -connect-> connecting -connected-> discovering -discovered-> waiting_ready -ready-> registering
+#            -registered-> serving
+#
+# After that the worker must survive the engine (Dynamo's Rust sidecar exits on the first failed health poll and
+# never reconnects; we do not):
+#
+# * `degrade`:     serving, but the engine's Health is not READY or Health RPCs fail.  The worker withdraws its
+#                  Dynamo endpoint instance so the router stops sending it work; in-flight requests continue.
+# * `recover`:     Health is READY again -> `registering` re-registers, then `registered` -> serving.
+# * `engine_lost`: the channel to the engine is gone (restart, crash, network).  In-flight requests are failed with
+#                  a migratable error, the registration is withdrawn, the worker reconnects with backoff; on
+#                  `reconnected` it goes back through discovering (which refuses a changed role or model),
+#                  waiting_ready and registering -- the same checks as a cold start.
+#
+# Shutdown has two doors.  `drain` (SIGTERM, from any non-terminal state): stop accepting, deregister, put a
+# deadline on the in-flight requests, abort stragglers; `drained` when the request nursery is empty.  `stop` is the
+# short door used when there is nothing to drain -- a shutdown requested before the worker ever registered -- and the
+# forced exit from `draining` (a second signal).  `fail` from any non-terminal state is the one error exit: a fatal
+# start-up refusal (bad schema, wrong model, deadline passed), reconnecting given up, or a bug.
+#
+# Idempotence is explicit (NO_OPS): a repeated SIGTERM is a `drain` while draining or after the end, and a repeated
+# stop request is a `stop` after the end; both are no-ops, everything else that is not in TRANSITIONS raises
+# IllegalTransition.  There is no per-request or per-poll transition here: health polls that change nothing fire
+# nothing.
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
+
+from ._base import Lifecycle, MachineKind, StateDoc
+
+if TYPE_CHECKING:
+    from transitions.core import TransitionConfigDict
+
+__all__ = [
+    "NO_OPS",
+    "STATES",
+    "STATE_DOCS",
+    "TERMINAL",
+    "TRANSITIONS",
+    "WORKER",
+    "WorkerEvent",
+    "WorkerLifecycle",
+    "WorkerObserver",
+    "WorkerState",
+]
+
+WorkerState = Literal[
+    "starting",
+    "connecting",
+    "discovering",
+    "waiting_ready",
+    "registering",
+    "serving",
+    "degraded",
+    "reconnecting",
+    "draining",
+    "stopped",
+    "failed",
+]
+WorkerEvent = Literal[
+    "connect",
+    "connected",
+    "discovered",
+    "ready",
+    "registered",
+    "degrade",
+    "recover",
+    "engine_lost",
+    "reconnected",
+    "drain",
+    "drained",
+    "stop",
+    "fail",
+]
+
+STATES: tuple[WorkerState, ...] = (
+    "starting",
+    "connecting",
+    "discovering",
+    "waiting_ready",
+    "registering",
+    "serving",
+    "degraded",
+    "reconnecting",
+    "draining",
+    "stopped",
+    "failed",
+)
+
+TERMINAL: frozenset[WorkerState] = frozenset({"stopped", "failed"})
+
+# Every state the worker can still leave; `drain` and `fail` are allowed from all of them.
+_ACTIVE: list[WorkerState] = [state for state in STATES if state not in TERMINAL]
+# Phases before the first registration: nothing can be in flight, so a shutdown may skip draining.
+_BEFORE_REGISTRATION: list[WorkerState] = ["starting", "connecting", "discovering", "waiting_ready"]
+
+TRANSITIONS: list[TransitionConfigDict] = [
+    # Config parsed, edge thread up; the worker starts opening its channel pool to the engine.
+    {"trigger": "connect", "source": "starting", "dest": "connecting"},
+    # At least one channel answered.  Retries with backoff happen *inside* connecting, bounded by the start-up
+    # deadline; giving up is `fail`.
+    {"trigger": "connected", "source": "connecting", "dest": "discovering"},
+    # GetServerInfo + GetModelInfo accepted (schema, role, model, capabilities).  A refusal is `fail`, not a retry:
+    # a wrong engine does not become right by asking again.
+    {"trigger": "discovered", "source": "discovering", "dest": "waiting_ready"},
+    # Health reported READY.  Engines open their port before the model has loaded, so readiness is its own phase.
+    {"trigger": "ready", "source": "waiting_ready", "dest": "registering"},
+    # Dynamo endpoint served and model registered: the frontend may route to us from now on.
+    {"trigger": "registered", "source": "registering", "dest": "serving"},
+    # Health not READY or Health RPCs failing while the channel is up: withdraw from routing, keep in-flight work
+    # (the Rust sidecar exits here).
+    {"trigger": "degrade", "source": "serving", "dest": "degraded"},
+    # Health READY again: re-register (through `registering`, so "serving" always means "registered").
+    {"trigger": "recover", "source": "degraded", "dest": "registering"},
+    # The engine went away.  Allowed once connected: a restart can happen in any later phase, and reconnecting
+    # re-runs discovery, so a half-done phase is simply redone.  Before the first `registered` the worker code may
+    # prefer `fail` (start-up refusal); the table allows both.
+    {
+        "trigger": "engine_lost",
+        "source": ["discovering", "waiting_ready", "registering", "serving", "degraded"],
+        "dest": "reconnecting",
+    },
+    # Channel back: rediscover, because a restarted engine may have changed role or model (refused there -> fail).
+    {"trigger": "reconnected", "source": "reconnecting", "dest": "discovering"},
+    # SIGTERM or an operator request, from anywhere still running: deregister, stop accepting, deadline on
+    # in-flight requests.  (`drain` while draining is a no-op, see NO_OPS, not a self-loop that restarts the drain.)
+    {"trigger": "drain", "source": [s for s in _ACTIVE if s != "draining"], "dest": "draining"},
+    # The request nursery is empty (finished, or cancelled by the drain deadline and aborted).
+    {"trigger": "drained", "source": "draining", "dest": "stopped"},
+    # Shutdown before anything was registered (nothing to drain), or a forced exit while draining (second signal).
+    {"trigger": "stop", "source": [*_BEFORE_REGISTRATION, "draining"], "dest": "stopped"},
+    # The one error exit: start-up refusal, reconnect given up, or a bug.  The reason names which.
+    {"trigger": "fail", "source": _ACTIVE, "dest": "failed"},
+]
+
+NO_OPS: dict[tuple[WorkerState, WorkerEvent], str] = {
+    # Operators and orchestrators repeat SIGTERM; the first one started the drain, the next ones change nothing.
+    ("draining", "drain"): "a repeated SIGTERM while draining; the drain already in progress continues",
+    # A signal can arrive while the process is already on its way out.
+    ("stopped", "drain"): "SIGTERM after the worker stopped; it is already exiting",
+    ("failed", "drain"): "SIGTERM after the worker failed; it is already exiting with an error",
+    # The shutdown path may request stop once more after a stop/drain finished.
+    ("stopped", "stop"): "a repeated stop request after the worker stopped",
+    ("failed", "stop"): "a stop request after the worker failed; the failure stands",
+}
+
+STATE_DOCS: dict[WorkerState, StateDoc] = {
+    "starting": StateDoc(
+        meaning="The process is up and its configuration parsed; nothing has been contacted yet.",
+        operator_sees="First log lines; the worker's /health (DYN_SYSTEM_PORT) answers 503 notready.",
+        action="Nothing. A worker that stays here for more than a second is stuck before any I/O: check its logs.",
+    ),
+    "connecting": StateDoc(
+        meaning="Opening the gRPC channel pool to the engine, retrying with backoff until the start-up deadline.",
+        operator_sees="Throttled connection-error logs naming the endpoint; /health 503.",
+        action="Normal while the engine starts. If it lasts, check the engine endpoint flag, that the engine "
+        "process is up and listening, and the network between the containers.",
+    ),
+    "discovering": StateDoc(
+        meaning="Reading GetServerInfo and GetModelInfo and checking schema, role, model and capabilities.",
+        operator_sees="A log line with engine name, schema release and model; /health 503.",
+        action="Nothing; a refusal moves to failed with the reason logged.",
+    ),
+    "waiting_ready": StateDoc(
+        meaning="Polling the engine's Health until it reports READY (the model may still be loading).",
+        operator_sees="Periodic 'engine not ready' logs with the reported health state; /health 503.",
+        action="Normal for minutes while weights load. If it ends in failed, raise the start-up deadline or check "
+        "the engine's own logs.",
+    ),
+    "registering": StateDoc(
+        meaning="Serving the Dynamo endpoint and registering the model, first at start-up or again after recovery.",
+        operator_sees="A registration log line; the model is about to appear in the frontend's /v1/models.",
+        action="Nothing. If it lasts, check Dynamo discovery (etcd/NATS or file discovery) connectivity.",
+    ),
+    "serving": StateDoc(
+        meaning="Registered with Dynamo and the engine is healthy: requests are accepted and routed here.",
+        operator_sees="/health 200 ready; the model listed in /v1/models; request metrics moving.",
+        action="Nothing.",
+    ),
+    "degraded": StateDoc(
+        meaning="The engine is reachable but not healthy (Health not READY or Health RPCs failing). The endpoint "
+        "instance is withdrawn so no new requests are routed here; in-flight requests continue.",
+        operator_sees="A warning with the reason (health state or RPC error); /health 503; traffic moves to other "
+        "workers, or new requests get 503 if there are none.",
+        action="Check the engine (overload, GPU error, model reload). The worker re-registers by itself when "
+        "Health is READY again.",
+    ),
+    "reconnecting": StateDoc(
+        meaning="The connection to the engine was lost; registration withdrawn, in-flight requests failed with a "
+        "migratable error, reconnecting with backoff.",
+        operator_sees="An error naming the lost connection, then throttled retry logs; /health 503; clients of "
+        "in-flight requests migrate (if the frontend's migration limit allows) or get an error.",
+        action="Check whether the engine restarted or crashed. The worker rediscovers and re-registers by itself "
+        "when the engine is back; it fails if the engine changed role or model.",
+    ),
+    "draining": StateDoc(
+        meaning="Shutting down gracefully: deregistered, no new requests, in-flight requests finishing under the "
+        "drain deadline; stragglers are cancelled and aborted in the engine at the deadline.",
+        operator_sees="A drain log line with the in-flight count and deadline; /health 503; the model leaves "
+        "/v1/models.",
+        action="Wait for the drain deadline. A repeated SIGTERM changes nothing; a stop request (e.g. a second "
+        "SIGINT) ends the drain at once.",
+    ),
+    "stopped": StateDoc(
+        meaning="Clean exit: everything drained or nothing was started.",
+        operator_sees="A final log line; the process exits with status 0.",
+        action="Nothing.",
+    ),
+    "failed": StateDoc(
+        meaning="Fatal error: a start-up refusal (schema, role, model, capability, deadline), reconnecting given "
+        "up, or a bug.",
+        operator_sees="An error log with the reason; the process exits non-zero and the orchestrator restarts it.",
+        action="Read the reason. Configuration refusals need a flag or engine fix; repeated failures after "
+        "reconnecting point at the engine.",
+    ),
+}
+
+WORKER: MachineKind[WorkerLifecycle, WorkerState, WorkerEvent] = MachineKind(
+    "worker",
+    states=STATES,
+    transitions=TRANSITIONS,
+    initial="starting",
+    terminal=TERMINAL,
+    no_ops=NO_OPS,
+    docs=STATE_DOCS,
+    summary=__doc__ or "",
+)
+"""The worker machine kind: the shared machine, observers and live counts."""
+
+WorkerObserver = Callable[["WorkerLifecycle", WorkerEvent, WorkerState, WorkerState], None]
+"""An observer of worker state changes: ``observer(model, event, source, dest)``."""
+
+
+class WorkerLifecycle(Lifecycle[WorkerState, WorkerEvent]):
+    """The worker's lifecycle state (one per process); fire events with :meth:`fire`."""
+
+    __slots__ = ()
+
+    _kind = WORKER

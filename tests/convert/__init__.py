@@ -1,0 +1,1 @@
+"""Table-driven tests of ``sidecar.convert`` (pure: no I/O, no trio)."""

@@ -1,0 +1,1 @@
+"""Tests of the lifecycle state machines (pure, synchronous: no trio needed)."""
