@@ -23,6 +23,7 @@ import trio
 from openengine.v1 import generation_pb2
 from sidecar.convert import HEALTH_CANARY_PAYLOAD, build_generate_request
 from sidecar.errors import (
+    EngineFailure,
     EngineGone,
     EngineRpcError,
     ProtocolViolation,
@@ -225,8 +226,9 @@ class RequestServer:
             lifecycle.fire("fail", reason=str(exc))
             log.error("request %s: %s", ctx.request_id, exc)
             raise
-        except EngineRpcError as exc:
-            # An engine that broke off the stream forgot the request; a refusal before acceptance never held it.
+        except (EngineRpcError, EngineFailure) as exc:
+            # An engine that broke off the stream, refused the request or ended it with a terminal error no longer
+            # holds it: nothing to abort.
             engine_holds_request = False
             lifecycle.fire("fail", reason=str(exc))
             log.warning("request %s: %s", ctx.request_id, exc)

@@ -42,7 +42,7 @@ def file_discovery_root() -> Path:
     return Path(root) if root else Path(tempfile.gettempdir()) / "dynamo_store_kv"
 
 
-def file_discovery_keys(settings: DynamoSettings, instance_id: int) -> tuple[Path, Path]:
+def file_discovery_keys(settings: DynamoSettings, instance_id: int, root: Path | None = None) -> tuple[Path, Path]:
     """Our two files in the file-discovery store (layout observed with ai-dynamo-runtime 1.6.1)::
 
         $DYN_FILE_KV/v1/instances/<ns>%2F<component>%2F<endpoint>%2F<instance id, lower hex>   written by serve_endpoint
@@ -53,8 +53,8 @@ def file_discovery_keys(settings: DynamoSettings, instance_id: int) -> tuple[Pat
     a clean shutdown, on ``unregister_endpoint_instance`` / ``unregister_model`` respectively.
     """
     name = quote(f"{settings.namespace}/{settings.component}/{settings.endpoint}/{instance_id:x}", safe="")
-    root = file_discovery_root() / "v1"
-    return root / "instances" / name, root / "mdc" / name
+    v1 = (root or file_discovery_root()) / "v1"
+    return v1 / "instances" / name, v1 / "mdc" / name
 
 
 async def _poll_until(condition: Callable[[], Awaitable[bool]]) -> None:

@@ -141,14 +141,16 @@ class BatchStream(Generic[T]):
         return batch
 
     async def _aclose(self) -> None:
-        self._closed = True
-        self._batches.clear()
+        # Stop first and tidy up afterwards: the pump may be running flat out, and every item it reads meanwhile is
+        # latency (freeing a large backlog here takes milliseconds, with the GIL held).
         self._pump.stop = True
+        self._closed = True
         if self._link.to_loop(self._pump.cancel):
             with trio.CancelScope(shield=True), trio.move_on_after(EXIT_GRACE) as bound:
                 await self._pump_done.wait()
             if bound.cancelled_caught:
                 logger.warning("edge: an asyncio stream did not finish within %.1f s of being cancelled", EXIT_GRACE)
+        self._batches.clear()
 
     # trio thread, posted by the pump
 

@@ -91,7 +91,9 @@ class Reply:
     def finish_reason(self) -> str | None:
         if self.json is not None:
             return self.json["choices"][0].get("finish_reason")  # type: ignore[no-any-return]
-        reasons = [c.get("finish_reason") for e in self.events for c in e.get("choices") or [] if c.get("finish_reason")]
+        reasons = [
+            c.get("finish_reason") for e in self.events for c in e.get("choices") or [] if c.get("finish_reason")
+        ]
         return reasons[-1] if reasons else None
 
     def error(self) -> dict[str, Any] | None:
@@ -108,16 +110,24 @@ class Reply:
         return None if error is None else int(error.get("code", self.status))
 
 
+def _json_or_raw(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"raw": text}
+    return value if isinstance(value, dict) else {"raw": value}
+
+
 async def post(url: str, payload: dict[str, Any], *, chat: bool = True, timeout: float = 20.0) -> Reply:
     """POST to the frontend; parse SSE when ``payload["stream"]``."""
     async with httpx.AsyncClient(timeout=timeout) as client:
         if not payload.get("stream"):
             response = await client.post(url + path(chat), json=payload)
-            return Reply(response.status_code, response.json(), [], False)
+            return Reply(response.status_code, _json_or_raw(response.text), [], False)
         async with client.stream("POST", url + path(chat), json=payload) as response:
             raw = (await response.aread()).decode()
     if response.status_code != 200:
-        return Reply(response.status_code, json.loads(raw), [], False)
+        return Reply(response.status_code, _json_or_raw(raw), [], False)
     events: list[dict[str, Any]] = []
     done = False
     for line in raw.splitlines():

@@ -208,8 +208,8 @@ async def _cancel_latency(edge: Edge, mode: str) -> float:
         elif mode == "backlog in trio":  # all 10,000 delivered, none taken; pump parked in queue.get()
             async with edge.open_stream(backlogged, high_water=2 * BACKLOG):
                 await trio.sleep_forever()
-        else:  # the pump streaming flat out while trio consumes
-            async with edge.open_stream(endless, high_water=100 * BACKLOG) as stream:
+        else:  # the pump streaming flat out while trio consumes, up to 10,000 items behind
+            async with edge.open_stream(endless, high_water=BACKLOG) as stream:
                 async for batch in stream:
                     consumed[0] += len(batch)
 

@@ -430,8 +430,6 @@ def validate_request(
         max_tokens = 1
     min_tokens = min(stopping.min_tokens, max_tokens) if stopping.HasField("min_tokens") else 0
     ignore_eos = stopping.ignore_eos if stopping.HasField("ignore_eos") else False
-    if prompt_logprobs and prompt_len * max(prompt_top_n, 1) > PROMPT_LOGPROB_LIMIT:
-        pass  # refused after acceptance with a terminal EngineError, like TRT
     bs = config.kv_block_size
     full = prompt_len // bs
     blocks = full + n * (-(-(prompt_len + max_tokens) // bs) - full)

@@ -1,0 +1,374 @@
+"""GenerateResponse messages/s: our trio client vs a grpcio.aio + upb reference, against one ``openengine-mock``.
+
+    python -m bench.client_throughput            # full run (~1.5 min)
+    python -m bench.client_throughput --quick    # smoke run (~20 s)
+
+One mock process (``--speedup 0 --stream-interval 1``: one token per message, no model time) serves every
+measurement. Each measurement runs in a fresh child process so that neither client inherits the other's threads,
+caches or GC state, and so that its CPU time (``getrusage``, all threads) is its own. A child keeps ``S`` stream
+slots busy (each slot re-issues a 20k-token ``ignore_eos`` request whenever one ends), lets them warm up, then counts
+the messages consumed during a fixed window. Clients run in the order A B A B and the medians are reported.
+
+With two or more CPUs the mock is pinned to the last CPU and the clients to CPU 0 (``--no-pin`` to disable), as in
+``grpc-stack.md`` §5, so the client gets exactly one core. The mock is a Python server too: its CPU share during the
+window is reported, and a ratio near 1.0 with the server at ~100 % means the server, not the client, was the limit.
+
+Clients:
+
+* ``ours``       — ``open_edge`` + ``open_engine_client`` + ``generate`` (grpclib on the uvloop edge thread, batched
+  bridge into trio), with the default pool of 8 connections;
+* ``ours-1conn`` — the same with one connection (64-stream rows only), the like-for-like transport comparison;
+* ``reference``  — ``grpc.aio`` channel, ``unary_stream('/openengine.v1.Inference/Generate')`` with upb
+  (de)serializers, consumed with ``async for`` (one channel, as grpcio users write it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from openengine.v1 import generation_pb2
+
+GENERATE_PATH: Final = "/openengine.v1.Inference/Generate"
+MODEL: Final = "tiny-oe"
+_64MiB: Final = 64 * 2**20
+_CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One measurement window of one child process."""
+
+    client: str
+    streams: int
+    messages: int
+    seconds: float
+    client_cpu_s: float
+    server_cpu_s: float
+    requests_finished: int
+
+    @property
+    def rate(self) -> float:
+        """Messages per second consumed during the window."""
+        return self.messages / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def client_us_per_msg(self) -> float:
+        """Client CPU (all threads) per message, µs."""
+        return 1e6 * self.client_cpu_s / self.messages if self.messages else float("nan")
+
+    @property
+    def server_share(self) -> float:
+        """Server CPU time / wall time during the window (1.0 = one full core)."""
+        return self.server_cpu_s / self.seconds if self.seconds > 0 else 0.0
+
+
+def make_request(max_tokens: int) -> generation_pb2.GenerateRequest:
+    """A 20k-token (by default) greedy request that ignores EOS, so it streams its full length."""
+    request = generation_pb2.GenerateRequest(request_id=str(uuid.uuid4()), model=MODEL)
+    request.token_ids.ids.extend([1, 2, 3, 4, 5, 6, 7, 8])
+    request.sampling.temperature = 0.0
+    request.stopping.max_tokens = max_tokens
+    request.stopping.ignore_eos = True
+    return request
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of process ``pid`` (all threads), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    # After the ")" of comm: state is field 3, so utime (14) and stime (15) are at indices 11 and 12.
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def own_cpu_s() -> float:
+    """CPU time of this process, all threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+# ---------------------------------------------------------------------------------------------- child: ours
+
+
+def child_ours(args: argparse.Namespace) -> Result:
+    """Measure our trio client."""
+    import trio
+
+    from sidecar.edge import open_edge
+    from sidecar.engine import EngineClientConfig, open_engine_client, parse_endpoint
+
+    async def main() -> Result:
+        async with open_edge() as edge:
+            config = EngineClientConfig(parse_endpoint(args.target), connections=args.connections)
+            async with open_engine_client(edge, config) as client:
+                await client.wait_connected(trio.current_time() + 15)
+                count = 0
+                finished = 0
+
+                async def slot() -> None:
+                    nonlocal count, finished
+                    while True:
+                        async with client.generate(make_request(args.max_tokens)) as batches:
+                            async for batch in batches:
+                                count += len(batch)
+                        finished += 1
+
+                async with trio.open_nursery() as nursery:
+                    for _ in range(args.streams):
+                        nursery.start_soon(slot)
+                    await trio.sleep(args.warmup)
+                    c0, f0, t0, cpu0, srv0 = count, finished, time.perf_counter(), own_cpu_s(), process_cpu_s(args.pid)
+                    await trio.sleep(args.window)
+                    c1, f1, t1, cpu1, srv1 = count, finished, time.perf_counter(), own_cpu_s(), process_cpu_s(args.pid)
+                    nursery.cancel_scope.cancel(reason="measurement window over")
+        name = "ours" if args.connections != 1 else "ours-1conn"
+        return Result(name, args.streams, c1 - c0, t1 - t0, cpu1 - cpu0, srv1 - srv0, f1 - f0)
+
+    return trio.run(main)
+
+
+# ---------------------------------------------------------------------------------------------- child: reference
+
+
+def child_reference(args: argparse.Namespace) -> Result:
+    """Measure grpcio.aio + upb, the way a grpcio user would write the client."""
+    import asyncio
+
+    import grpc
+
+    async def main() -> Result:
+        options = [("grpc.max_receive_message_length", _64MiB), ("grpc.max_send_message_length", _64MiB)]
+        async with grpc.aio.insecure_channel(args.target, options=options) as channel:
+            await asyncio.wait_for(channel.channel_ready(), 15)
+            generate = channel.unary_stream(
+                GENERATE_PATH,
+                request_serializer=generation_pb2.GenerateRequest.SerializeToString,
+                response_deserializer=generation_pb2.GenerateResponse.FromString,
+            )
+            count = 0
+            finished = 0
+
+            async def slot() -> None:
+                nonlocal count, finished
+                while True:
+                    async for _ in generate(make_request(args.max_tokens)):
+                        count += 1
+                    finished += 1
+
+            tasks = [asyncio.create_task(slot()) for _ in range(args.streams)]
+            await asyncio.sleep(args.warmup)
+            c0, f0, t0, cpu0, srv0 = count, finished, time.perf_counter(), own_cpu_s(), process_cpu_s(args.pid)
+            await asyncio.sleep(args.window)
+            c1, f1, t1, cpu1, srv1 = count, finished, time.perf_counter(), own_cpu_s(), process_cpu_s(args.pid)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return Result("reference", args.streams, c1 - c0, t1 - t0, cpu1 - cpu0, srv1 - srv0, f1 - f0)
+
+    return asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------------------------- parent
+
+
+class Mock:
+    """``openengine-mock --speedup 0`` as a subprocess, killed on exit whatever happens."""
+
+    def __init__(self, cpu: int | None, max_tokens: int) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="bench-mock-")
+        port_file = Path(self._tmp.name) / "port"
+        argv = [
+            sys.executable,
+            "-m",
+            "sidecar.testing.mock",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--speedup",
+            "0",
+            "--stream-interval",
+            "1",
+            "--max-context-length",
+            str(max_tokens + 64),
+            "--max-running-requests",
+            "1024",
+            "--log-level",
+            "WARNING",
+        ]
+        self.log = Path(self._tmp.name) / "mock.log"
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        if cpu is not None:
+            os.sched_setaffinity(self.proc.pid, {cpu})
+        deadline = time.monotonic() + 30
+        while not port_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"openengine-mock did not start:\n{self.log.read_text()[-4000:]}")
+            time.sleep(0.02)
+        self.target = port_file.read_text().strip()
+
+    @property
+    def pid(self) -> int:
+        """The mock's process id (for its CPU time)."""
+        return self.proc.pid
+
+    def close(self) -> None:
+        """Stop the mock (SIGTERM, then SIGKILL after 5 s) and remove its directory."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._tmp.cleanup()
+
+
+def run_child(client: str, streams: int, target: str, pid: int, args: argparse.Namespace, cpu: int | None) -> Result:
+    """One measurement in a fresh interpreter; its last stdout line is the JSON result."""
+    connections = 1 if client == "ours-1conn" else args.connections
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.client_throughput",
+        "--child",
+        "ours" if client.startswith("ours") else "reference",
+        "--target",
+        target,
+        "--pid",
+        str(pid),
+        "--streams",
+        str(streams),
+        "--connections",
+        str(connections),
+        "--warmup",
+        str(args.warmup),
+        "--window",
+        str(args.window),
+        "--max-tokens",
+        str(args.max_tokens),
+    ]
+    preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
+    done = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=args.warmup + args.window + 60,
+        # Affinity only; the parent is single-threaded, so preexec_fn cannot deadlock on a lock held elsewhere.
+        preexec_fn=preexec,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"child {client} x{streams} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    data = json.loads(done.stdout.strip().splitlines()[-1])
+    data["client"] = client
+    return Result(**data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags; run as parent (orchestrate, print the table) or as a measuring child."""
+    parser = argparse.ArgumentParser(prog="python -m bench.client_throughput", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: one round, short windows")
+    parser.add_argument("--rounds", type=int, default=2, help="A B rounds per configuration [%(default)s]")
+    parser.add_argument("--window", type=float, default=5.0, help="measured seconds per child [%(default)s]")
+    parser.add_argument("--warmup", type=float, default=1.0, help="seconds before the window [%(default)s]")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 64], help="concurrent streams [1 64]")
+    parser.add_argument("--connections", type=int, default=8, help="our pool size [%(default)s]")
+    parser.add_argument("--max-tokens", type=int, default=20000, help="tokens per request [%(default)s]")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin the mock and the clients to CPUs")
+    parser.add_argument("--no-1conn", action="store_true", help="skip the one-connection variant of our client")
+    # child mode (internal)
+    parser.add_argument("--child", choices=["ours", "reference"], help=argparse.SUPPRESS)
+    parser.add_argument("--target", help=argparse.SUPPRESS)
+    parser.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child is not None:
+        result = child_ours(args) if args.child == "ours" else child_reference(args)
+        fields = {k: getattr(result, k) for k in Result.__dataclass_fields__}
+        print(json.dumps(fields))
+        return 0
+
+    if args.quick:
+        args.rounds, args.window, args.warmup = 1, 1.5, 0.5
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = not args.no_pin and len(cpus) >= 2
+    server_cpu, client_cpu = (cpus[-1], cpus[0]) if pin else (None, None)
+    started = time.monotonic()
+    mock = Mock(server_cpu, args.max_tokens)
+    results: dict[tuple[str, int], list[Result]] = {}
+    try:
+        pinning = f"mock on CPU {server_cpu}, clients on CPU {client_cpu}" if pin else "no CPU pinning"
+        print(
+            f"openengine-mock at {mock.target} (pid {mock.pid}); {pinning}; "
+            f"{args.rounds} round(s) x {args.window:g}s windows, {args.max_tokens} tokens/request",
+            flush=True,
+        )
+        for streams in args.streams:
+            clients = ["ours", "reference"]
+            if streams > 1 and not args.no_1conn:
+                clients.append("ours-1conn")
+            for round_ in range(args.rounds):
+                for client in clients:
+                    result = run_child(client, streams, mock.target, mock.pid, args, client_cpu)
+                    results.setdefault((client, streams), []).append(result)
+                    print(
+                        f"  round {round_ + 1}: {client:<11} x{streams:<3} {result.rate:9.0f} msg/s  "
+                        f"client {result.client_us_per_msg:6.1f} µs/msg  server CPU {100 * result.server_share:4.0f} %",
+                        flush=True,
+                    )
+    finally:
+        mock.close()
+    print_table(results, args.streams)
+    print(f"total {time.monotonic() - started:.0f}s")
+    return 0
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def print_table(results: dict[tuple[str, int], list[Result]], stream_counts: list[int]) -> None:
+    """Medians per client and stream count, and the ratios ours / reference."""
+    print()
+    header = f"{'client':<12}{'streams':>8}{'msg/s (median)':>16}{'client µs/msg':>15}{'server CPU':>12}{'runs':>6}"
+    print(header)
+    print("-" * len(header))
+    rates: dict[tuple[str, int], float] = {}
+    for streams in stream_counts:
+        for client in ("ours", "ours-1conn", "reference"):
+            runs = results.get((client, streams))
+            if not runs:
+                continue
+            rate = _median([r.rate for r in runs])
+            rates[(client, streams)] = rate
+            us = _median([r.client_us_per_msg for r in runs])
+            share = _median([r.server_share for r in runs])
+            print(f"{client:<12}{streams:>8}{rate:>16.0f}{us:>15.1f}{100 * share:>11.0f}%{len(runs):>6}")
+    print()
+    for streams in stream_counts:
+        ref = rates.get(("reference", streams))
+        if not ref:
+            continue
+        for client in ("ours", "ours-1conn"):
+            if (client, streams) in rates:
+                print(f"ratio {client}/reference at {streams} stream(s): {rates[(client, streams)] / ref:.2f}x")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

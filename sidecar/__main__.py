@@ -1,0 +1,5 @@
+"""``python -m sidecar`` is ``openengine-sidecar``."""
+
+from sidecar.cli import main
+
+main()

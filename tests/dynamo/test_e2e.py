@@ -1,0 +1,310 @@
+"""The Dynamo adapter end to end: the real frontend, ``echo_worker.py`` processes (``open_edge`` + ``open_dynamo``),
+real HTTP over loopback. Each test runs under ``trio.fail_after``; fixtures kill every process they start.
+
+Measured figures are printed (``pytest -s``) and asserted with slack for a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import statistics
+import time
+from typing import TYPE_CHECKING
+
+import httpx
+import pytest
+import trio
+
+from sidecar.dynamo import DynamoSettings, file_discovery_keys
+from tests.helpers.processes import list_models, wait_for_model
+
+from .workers import body, post, start_echo_worker
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from tests.helpers.processes import DynamoEnv, Frontend
+
+pytestmark = pytest.mark.e2e
+
+TEST_TIMEOUT = 90
+
+
+async def test_completions_and_chat_streaming_and_not(
+    frontend: Frontend, dynamo_env: DynamoEnv, model_dir: Path
+) -> None:
+    with trio.fail_after(TEST_TIMEOUT):
+        async with start_echo_worker(dynamo_env, model_dir) as worker:
+            waited = await wait_for_model(frontend.url, "tiny", 20)
+            print(f"\nregistration: worker {worker.timings}, listed by the frontend {waited:.3f} s after READY")
+            for stream in (False, True):
+                reply = await post(frontend.url, body(chat=False, stream=stream, max_tokens=4), chat=False)
+                assert reply.status == 200, reply
+                assert reply.error() is None
+                assert reply.text() == "One two three four"
+                assert reply.finish_reason() == "length"
+                if stream:
+                    assert reply.done
+                    usage = reply.events[-1]["usage"]
+                else:
+                    assert reply.json is not None
+                    usage = reply.json["usage"]
+                assert usage["completion_tokens"] == 4
+                # max_tokens large: the echo reaches <|im_end|> and the frontend stops the stream (EOS).
+                reply = await post(frontend.url, body(chat=True, stream=stream, max_tokens=64))
+                assert reply.status == 200, reply
+                assert reply.text() == "user\nOne two three four five six"
+                assert reply.finish_reason() == "stop"
+
+
+async def test_request_rejected_is_a_400_with_the_message(
+    frontend: Frontend, dynamo_env: DynamoEnv, model_dir: Path
+) -> None:
+    with trio.fail_after(TEST_TIMEOUT):
+        async with start_echo_worker(dynamo_env, model_dir):
+            await wait_for_model(frontend.url, "tiny", 20)
+            reply = await post(frontend.url, body(annotations=["fail:RequestRejected"]))
+            assert reply.status == 400
+            assert reply.json is not None
+            assert reply.json["message"] == "messages: rejected on purpose"
+            reply = await post(frontend.url, body(stream=True, annotations=["fail:RequestRejected"]))
+            assert reply.status == 200  # SSE headers leave before the first token
+            error = reply.error()
+            assert error is not None
+            assert error["code"] == 400
+            assert error["message"] == "messages: rejected on purpose"
+
+
+# (what the trio handler raises, HTTP status with --migration-limit 0). The DynamoErrorKind values go through
+# sidecar.errors' table as SidecarError(kind=...); RuntimeError/TimeoutError are stray exceptions (mapped to Unknown).
+ERROR_STATUS = [
+    ("InvalidArgument", 400),
+    ("Disconnected", 503),
+    ("CannotConnect", 503),
+    ("ConnectionTimeout", 504),
+    ("Cancelled", 499),
+    ("Unknown", 500),
+    ("RuntimeError", 500),
+    ("TimeoutError", 500),  # raised as is, a 504 that migrates; the adapter makes it Unknown
+    ("ConnectionError", 500),  # raised as is, a 503 that migrates
+    ("EngineShutdown", 503),  # last: it also takes the worker out of routing for a few seconds
+]
+
+
+async def test_error_kinds_map_to_http_status(frontend: Frontend, dynamo_env: DynamoEnv, model_dir: Path) -> None:
+    with trio.fail_after(TEST_TIMEOUT):
+        async with start_echo_worker(dynamo_env, model_dir) as worker:
+            await wait_for_model(frontend.url, "tiny", 20)
+            for kind, status in ERROR_STATUS:
+                # Before the first token, not streamed: the status itself.
+                reply = await post(frontend.url, body(annotations=[f"fail:{kind}"]))
+                assert reply.status == status, (kind, reply)
+                if status == 400:
+                    assert reply.json is not None
+                    assert "says InvalidArgument" in reply.json["message"]
+                if kind == "EngineShutdown":
+                    break  # the worker is out of routing now; the mid-stream case is covered by the migration test
+                # Mid-stream, streamed: the tokens so far, then an SSE error event with the status as code.
+                reply = await post(
+                    frontend.url, body(stream=True, max_tokens=6, annotations=[f"fail:{kind}", "fail_at:2"])
+                )
+                assert reply.status == 200, (kind, reply)
+                assert reply.error_code() == status, (kind, reply)
+                assert reply.text(), kind
+            assert worker.process.returncode is None
+
+
+@pytest.mark.parametrize("frontend", [3], indirect=True)
+@pytest.mark.parametrize("kind", ["EngineGone", "WorkerDraining", "CannotConnect", "ConnectionTimeout"])
+async def test_migratable_error_is_migrated_to_the_other_worker(
+    frontend: Frontend, dynamo_env: DynamoEnv, model_dir: Path, kind: str
+) -> None:
+    with trio.fail_after(TEST_TIMEOUT):
+        async with (
+            start_echo_worker(dynamo_env, model_dir, tag="a") as a,
+            start_echo_worker(dynamo_env, model_dir, tag="b") as b,
+        ):
+            await wait_for_model(frontend.url, "tiny", 20)
+            await trio.sleep(0.5)  # both instances known to the router
+            for i in range(6):
+                fail_at = 0 if i % 2 == 0 else 2  # before the first token, and mid-stream
+                annotations = [f"fail:{kind}", "fail_tag:a", f"fail_at:{fail_at}"]
+                reply = await post(
+                    frontend.url, body(chat=False, stream=i >= 3, max_tokens=6, annotations=annotations), chat=False
+                )
+                assert reply.status == 200, reply
+                assert reply.error() is None, reply
+                assert reply.finish_reason() == "length"
+            assert a.count("REQ") >= 1, "worker a never got a request"
+            assert b.count("DONE") == 6
+
+
+async def test_client_disconnect_cancels_the_trio_handler_task(
+    frontend: Frontend, dynamo_env: DynamoEnv, model_dir: Path
+) -> None:
+    latencies = []
+    with trio.fail_after(TEST_TIMEOUT):
+        async with start_echo_worker(dynamo_env, model_dir) as worker:
+            await wait_for_model(frontend.url, "tiny", 20)
+            payload = body(chat=False, stream=True, max_tokens=1000, annotations=["delay:0.02", "batch:1"])
+            for _ in range(5):
+                start = len(worker.process.log())
+                async with (
+                    httpx.AsyncClient(timeout=10) as client,
+                    client.stream("POST", frontend.url + "/v1/completions", json=payload) as response,
+                ):
+                    seen = 0
+                    async for line in response.aiter_lines():
+                        seen += line.startswith("data:")
+                        if seen >= 5:
+                            break
+                    closed_at = time.monotonic()
+                match = await worker.process.wait_for_log(r"^CANCELLED a \S+ (\S+)$", 5, start=start)
+                latencies.append(float(match.group(1)) - closed_at)
+    print(f"\ncancel propagation (client close -> trio Cancelled): {[f'{x * 1000:.0f} ms' for x in latencies]}")
+    assert statistics.median(latencies) < 0.5
+    assert max(latencies) < 1.0
+
+
+@pytest.mark.parametrize("frontend", [0], indirect=True)
+async def test_withdraw_and_restore(frontend: Frontend, dynamo_env: DynamoEnv, model_dir: Path) -> None:
+    with trio.fail_after(TEST_TIMEOUT):
+        async with (
+            start_echo_worker(dynamo_env, model_dir, tag="a") as a,
+            start_echo_worker(dynamo_env, model_dir, tag="b") as b,
+        ):
+            await wait_for_model(frontend.url, "tiny", 20)
+            await trio.sleep(0.5)
+            # An in-flight stream on a survives the withdrawal.
+            inflight: list[object] = []
+
+            async def long_request() -> None:
+                annotations = ["delay:0.05", "batch:1", "fail:Unknown", "fail_tag:b", "fail_at:1000"]
+                inflight.append(
+                    await post(frontend.url, body(chat=False, max_tokens=20, annotations=annotations), chat=False)
+                )
+
+            async with trio.open_nursery() as nursery:
+                # Round robin: send until one lands on a.
+                for _ in range(10):
+                    before = a.count("REQ")
+                    nursery.start_soon(long_request)
+                    await trio.sleep(0.2)
+                    if a.count("REQ") > before:
+                        break
+                assert a.count("REQ") >= 1
+                t0 = time.monotonic()
+                assert await a.command("withdraw") == "None"
+                withdraw_s = time.monotonic() - t0
+                await trio.sleep(0.3)  # the frontend's discovery watch
+                assert await a.command("present") == "True"  # it publishes what it should: the card only
+                seen_a = a.count("REQ")
+                for _ in range(4):
+                    reply = await post(frontend.url, body(chat=False, max_tokens=2), chat=False)
+                    assert reply.status == 200
+                assert a.count("REQ") == seen_a, "a withdrawn worker got a new request"
+            assert all(getattr(r, "status", None) == 200 for r in inflight), inflight
+            assert a.count("DONE") >= 1
+            t0 = time.monotonic()
+            await a.command("restore")
+            restore_s = time.monotonic() - t0
+            with trio.fail_after(10):
+                while a.count("REQ") == seen_a:
+                    reply = await post(frontend.url, body(chat=False, max_tokens=2), chat=False)
+                    assert reply.status == 200
+            routed_again_s = time.monotonic() - t0
+            assert b.process.returncode is None
+    print(f"\nwithdraw call {withdraw_s * 1000:.1f} ms, restore call {restore_s * 1000:.1f} ms")
+    print(f"withdrawn worker routed again {routed_again_s:.2f} s after restore")
+
+
+async def test_withdrawn_single_worker_answers_503_and_comes_back(
+    frontend: Frontend, dynamo_env: DynamoEnv, model_dir: Path
+) -> None:
+    with trio.fail_after(TEST_TIMEOUT):
+        async with start_echo_worker(dynamo_env, model_dir) as worker:
+            await wait_for_model(frontend.url, "tiny", 20)
+            await worker.command("withdraw")
+            t0 = time.monotonic()
+            with trio.fail_after(10):
+                while (await post(frontend.url, body(max_tokens=2))).status != 503:
+                    await trio.sleep(0.02)
+            gone_s = time.monotonic() - t0
+            await worker.command("restore")
+            t0 = time.monotonic()
+            with trio.fail_after(10):
+                while (await post(frontend.url, body(max_tokens=2))).status != 200:
+                    await trio.sleep(0.02)
+            back_s = time.monotonic() - t0
+    print(f"\nwithdraw -> 503 after {gone_s:.3f} s; restore -> 200 after {back_s:.3f} s")
+
+
+async def test_unregister_and_register_again(frontend: Frontend, dynamo_env: DynamoEnv, model_dir: Path) -> None:
+    with trio.fail_after(TEST_TIMEOUT):
+        async with start_echo_worker(dynamo_env, model_dir) as worker:
+            await wait_for_model(frontend.url, "tiny", 20)
+            await worker.command("unregister")
+            gone = await wait_for_model(frontend.url, "tiny", 10, present=False)
+            assert (await post(frontend.url, body(max_tokens=2))).status == 404
+            await worker.command("restore")
+            await worker.command("register")
+            back = await wait_for_model(frontend.url, "tiny", 10)
+            with trio.fail_after(10):
+                while (await post(frontend.url, body(max_tokens=2))).status != 200:
+                    await trio.sleep(0.05)
+    print(f"\nunregister -> gone from /v1/models after {gone:.3f} s; register -> listed after {back:.3f} s")
+
+
+async def test_lost_registration_is_detected_and_republished(
+    frontend: Frontend, dynamo_env: DynamoEnv, model_dir: Path
+) -> None:
+    with trio.fail_after(TEST_TIMEOUT):
+        async with start_echo_worker(dynamo_env, model_dir) as worker:
+            await wait_for_model(frontend.url, "tiny", 20)
+            assert await worker.command("present") == "True"
+            instance, card = file_discovery_keys(DynamoSettings(), int(worker.instance_hex, 16), dynamo_env.file_kv)
+            assert instance.is_file()
+            assert card.is_file()
+            instance.unlink()
+            card.unlink()
+            assert await worker.command("present") == "False"
+            await wait_for_model(frontend.url, "tiny", 10, present=False)
+            await worker.command("republish")
+            assert await worker.command("present") == "True"
+            back = await wait_for_model(frontend.url, "tiny", 10)
+            assert (await post(frontend.url, body(max_tokens=2))).status == 200
+    print(f"\nrepublished registration listed again after {back:.3f} s")
+
+
+async def test_sigterm_drains_in_flight_requests(frontend: Frontend, dynamo_env: DynamoEnv, model_dir: Path) -> None:
+    with trio.fail_after(TEST_TIMEOUT):
+        async with start_echo_worker(dynamo_env, model_dir) as worker:
+            await wait_for_model(frontend.url, "tiny", 20)
+            payload = body(chat=False, stream=True, max_tokens=15, annotations=["delay:0.1", "batch:1"])
+            replies = []
+
+            async def stream() -> None:
+                replies.append(await post(frontend.url, payload, chat=False))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stream)
+                await worker.process.wait_for_log(r"^REQ a ", 5)
+                await trio.sleep(0.3)
+                worker.process.signal(signal.SIGTERM)
+                await worker.process.wait_for_log(r"^SHUTDOWN_BEGIN", 5)
+                # No new requests reach a draining worker.
+                await trio.sleep(0.2)
+                late = await post(frontend.url, body(chat=False, max_tokens=2), chat=False)
+                assert late.status in (404, 503), late
+            [reply] = replies
+            assert reply.status == 200
+            assert reply.error() is None
+            assert reply.finish_reason() == "length"
+            assert reply.events[-1]["usage"]["completion_tokens"] == 15
+            assert await worker.process.wait(10) == 0
+            log = worker.process.log()
+            assert re.search(r"^SHUTDOWN_DONE", log, re.MULTILINE)
+            assert re.search(r"^EXIT", log, re.MULTILINE)
+            assert "tiny" not in await list_models(frontend.url)
+            assert not list((dynamo_env.file_kv / "v1" / "instances").glob("*"))

@@ -1,0 +1,103 @@
+"""Start-up decisions (sidecar.startup): each refusal is one clear line naming what to change."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from openengine_bp.openengine.v1 import DeploymentCapacity, EngineRole, ModelInfo, ServerInfo
+from sidecar.cli import parse_config
+from sidecar.convert import Capabilities
+from sidecar.startup import (
+    Discovery,
+    StartupRefused,
+    check_unchanged,
+    registration_for,
+    resolve_context_length,
+    resolve_role,
+    select_model,
+)
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "sidecar" / "testing" / "mock" / "model"
+
+
+@pytest.mark.parametrize(
+    ("supported", "wanted", "expected"),
+    [(["a"], None, "a"), (["a", "b"], "b", "b"), ([], None, ""), ([], "x", "x")],
+)
+def test_select_model_picks_the_only_or_the_requested_model(
+    supported: list[str], wanted: str | None, expected: str
+) -> None:
+    assert select_model(supported, wanted) == expected
+
+
+def test_select_model_refuses_an_ambiguous_engine_naming_the_flag() -> None:
+    with pytest.raises(StartupRefused, match="--model"):
+        select_model(["a", "b"], None)
+
+
+def test_select_model_refuses_a_model_the_engine_does_not_serve() -> None:
+    with pytest.raises(StartupRefused, match="'c' is not served"):
+        select_model(["a", "b"], "c")
+
+
+@pytest.mark.parametrize(
+    ("engine", "mode", "expected"),
+    [
+        (EngineRole.UNSPECIFIED, None, "aggregated"),
+        (EngineRole.UNSPECIFIED, "prefill", "prefill"),
+        (EngineRole.DECODE, None, "decode"),
+        (EngineRole.AGGREGATED, "agg", "aggregated"),
+    ],
+)
+def test_the_engine_role_wins_and_the_flag_fills_in(engine: EngineRole, mode: str | None, expected: str) -> None:
+    assert resolve_role(engine, mode) == expected
+
+
+def test_a_flag_contradicting_the_engine_role_is_refused() -> None:
+    with pytest.raises(StartupRefused, match="contradicts"):
+        resolve_role(EngineRole.PREFILL, "decode")
+
+
+def test_context_length_flag_wins_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert resolve_context_length(1024, 2048) == 1024
+    assert "differs" in caplog.text
+
+
+def test_context_length_falls_back_to_the_engine_and_refuses_without_either() -> None:
+    assert resolve_context_length(None, 2048) == 2048
+    with pytest.raises(StartupRefused, match="--context-length"):
+        resolve_context_length(None, None)
+
+
+def discovery(role: str = "aggregated", model: str = "tiny", alias: str = "") -> Discovery:
+    server = ServerInfo(
+        engine_name="mock",
+        supported_models=[model],
+        schema_revision=1,
+        minimum_client_revision=1,
+        capacity=DeploymentCapacity(kv_block_size=16, total_kv_blocks=4096, max_running_requests=64),
+    )
+    info = ModelInfo(model_id=model, served_model_name=model, served_model_aliases=[alias] if alias else [])
+    return Discovery(server, info, Capabilities.from_discovery(server, info), model, role, 2048)  # type: ignore[arg-type]
+
+
+def test_a_changed_role_or_model_between_discoveries_is_refused() -> None:
+    check_unchanged(discovery(), discovery())
+    with pytest.raises(StartupRefused, match="role changed"):
+        check_unchanged(discovery(), discovery(role="decode"))
+    with pytest.raises(StartupRefused, match="model changed"):
+        check_unchanged(discovery(), discovery(model="other"))
+
+
+def test_registration_carries_what_discovery_reported() -> None:
+    config = parse_config(["--grpc-endpoint", "127.0.0.1:1", "--model-path", str(MODEL_DIR)])
+    reg = registration_for(discovery(alias="tiny-alias"), config)
+    assert reg.served_model_name == "tiny"
+    assert reg.aliases == ("tiny-alias",)
+    assert (reg.context_length, reg.kv_block_size, reg.total_kv_blocks, reg.max_num_seqs) == (2048, 16, 4096, 64)
+    assert reg.worker_type == "aggregated"
+    assert reg.runtime_data["openengine_engine"] == "mock"
