@@ -217,8 +217,9 @@ class Mock:
         deadline = time.monotonic() + 30
         while not port_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                output = self.log.read_text(errors="replace")[-4000:]
                 self.close()
-                raise RuntimeError(f"openengine-mock did not start:\n{self.log.read_text()[-4000:]}")
+                raise RuntimeError(f"openengine-mock did not start:\n{output}")
             time.sleep(0.02)
         self.target = port_file.read_text().strip()
 
@@ -299,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.child is not None:
+        (args.streams,) = args.streams  # a child measures one stream count
         result = child_ours(args) if args.child == "ours" else child_reference(args)
         fields = {k: getattr(result, k) for k in Result.__dataclass_fields__}
         print(json.dumps(fields))

@@ -15,7 +15,9 @@ Each carries a :class:`DynamoErrorKind`, which ``sidecar.dynamo`` turns into the
 when the frontend runs with ``--migration-limit`` > 0; ``INVALID_ARGUMENT`` is a 400; ``CANCELLED`` a 499;
 ``UNKNOWN`` a 500.
 
-Dynamo's Rust sidecars ignore ``EngineError.retryable``; we honour it: a retryable failure is migratable.
+Dynamo's Rust sidecars ignore ``EngineError.retryable``; we honour it: a retryable failure is migratable. That includes
+TensorRT-LLM's retryable ``OVERLOADED``, which it sends only when our consumer stalled for 30 s; the frontend's
+``--migration-limit`` bounds how often such a request moves.
 """
 
 from __future__ import annotations
@@ -224,6 +226,10 @@ class EngineGone(SidecarError):
 
 
 class WorkerDraining(SidecarError):
-    """The worker is draining or degraded: the request is sent elsewhere (and this worker briefly unrouted)."""
+    """The worker is draining or degraded: the request is sent elsewhere.
+
+    ``EngineShutdown`` also takes this worker out of the frontend's routing for a few seconds (measured), which is
+    what a draining worker wants — and why it must never be used for trouble with a single request.
+    """
 
     kind = DynamoErrorKind.ENGINE_SHUTDOWN

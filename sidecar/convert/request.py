@@ -34,7 +34,6 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final
 
 from openengine.v1 import generation_pb2
-
 from sidecar.errors import RequestRejected
 
 from .response import ResponseMapper

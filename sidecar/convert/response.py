@@ -38,7 +38,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final
 
 from openengine.v1 import generation_pb2
-
 from sidecar.errors import EngineFailure, ProtocolViolation, Violation
 
 from .enums import pb_enum
@@ -52,6 +51,7 @@ Chunk = dict[str, Any]
 
 #: Stand-in for a missing or non-finite logprob (TensorRT-LLM clamps −inf to this value too).
 LOGPROB_FLOOR: Final = -9999.0
+_INF: Final = float("inf")
 
 _STOP: Final = generation_pb2.FINISH_REASON_STOP
 _FINISH_REASONS: Final[dict[int, str]] = {
@@ -157,8 +157,8 @@ class ResponseMapper:
         alternatives = self._logprobs != 0
         for info in infos:
             logprob = info.logprob if info.HasField("logprob") else LOGPROB_FLOOR
-            # `not >` also catches NaN; −inf and NaN have no place in Dynamo's f64 logprobs.
-            log_probs.append(logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR)
+            # The chained comparison is False for NaN and ±inf too: none has a place in Dynamo's logprobs.
+            log_probs.append(logprob if LOGPROB_FLOOR < logprob < _INF else LOGPROB_FLOOR)
             if alternatives:
                 top_logprobs.append(
                     [
@@ -166,7 +166,7 @@ class ResponseMapper:
                             "rank": c.rank if c.HasField("rank") else position,
                             "token_id": c.token_id,
                             "token": c.token or None,
-                            "logprob": c.logprob if c.logprob > LOGPROB_FLOOR else LOGPROB_FLOOR,
+                            "logprob": c.logprob if LOGPROB_FLOOR < c.logprob < _INF else LOGPROB_FLOOR,
                         }
                         for position, c in enumerate(info.candidates, 1)
                     ]

@@ -30,6 +30,7 @@ from typing import Literal, TypeAlias
 
 from google.protobuf import message as _pb_message
 from google.protobuf import struct_pb2
+
 from openengine_bp.google import protobuf as bp_struct
 
 __all__ = [

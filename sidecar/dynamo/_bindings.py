@@ -1,4 +1,4 @@
-"""Small typed wrappers around the untyped ``dynamo`` bindings. Every function here runs on the edge loop thread.
+"""Small wrappers around the ``dynamo`` bindings (typed by their ``_core.pyi``). Each runs on the edge loop thread.
 
 Binding facts these wrappers encode (ai-dynamo-runtime 1.6.1):
 
@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import dynamo.llm
 import dynamo.llm.exceptions
-import dynamo.runtime
-from dynamo.llm import ModelRuntimeConfig
+from dynamo.llm import ModelRuntimeConfig, ModelType, WorkerType
 from dynamo.runtime import Context, DistributedRuntime, Endpoint
 
 from sidecar.errors import SidecarError
@@ -31,8 +30,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Context",
+    "DistributedRuntime",
     "Endpoint",
-    "Runtime",
     "create_runtime",
     "dynamo_exception",
     "register",
@@ -45,30 +44,28 @@ __all__ = [
 ]
 
 
-Runtime = DistributedRuntime
-
-_WORKER_TYPES: dict[WorkerRole, Any] = {
-    "aggregated": dynamo.llm.WorkerType.Aggregated,
-    "prefill": dynamo.llm.WorkerType.Prefill,
-    "decode": dynamo.llm.WorkerType.Decode,
-    "encode": dynamo.llm.WorkerType.Encode,
+_WORKER_TYPES: dict[WorkerRole, WorkerType] = {
+    "aggregated": WorkerType.Aggregated,
+    "prefill": WorkerType.Prefill,
+    "decode": WorkerType.Decode,
+    "encode": WorkerType.Encode,
 }
 
 
-async def create_runtime(settings: DynamoSettings) -> tuple[Runtime, Endpoint, int]:
+async def create_runtime(settings: DynamoSettings) -> tuple[DistributedRuntime, Endpoint, int]:
     """Create the ``DistributedRuntime`` on the running (edge) loop; returns it, our endpoint and our instance id."""
     loop = asyncio.get_running_loop()
-    runtime = dynamo.runtime.DistributedRuntime(
+    runtime = DistributedRuntime(
         loop, settings.discovery_backend, settings.request_plane, event_plane=settings.event_plane
     )
     endpoint = runtime.endpoint(settings.endpoint_path)
     return runtime, endpoint, int(endpoint.connection_id())
 
 
-def _model_type(reg: Registration) -> Any:
+def _model_type(reg: Registration) -> ModelType:
     if reg.worker_type == "prefill":
-        return dynamo.llm.ModelType.Prefill
-    kinds = {"chat": dynamo.llm.ModelType.Chat, "completions": dynamo.llm.ModelType.Completions}
+        return ModelType.Prefill
+    kinds = {"chat": ModelType.Chat, "completions": ModelType.Completions}
     model_type = kinds[reg.endpoint_types[0]]
     for kind in reg.endpoint_types[1:]:
         model_type = model_type | kinds[kind]
@@ -138,11 +135,11 @@ async def serve_endpoint(
     await endpoint.serve_endpoint(handler, graceful_shutdown=True, health_check_payload=health_check_payload)
 
 
-async def shutdown(runtime: Runtime) -> None:
+async def shutdown(runtime: DistributedRuntime) -> None:
     runtime.shutdown()
 
 
-def set_health(runtime: Runtime, ready: bool) -> None:
+def set_health(runtime: DistributedRuntime, ready: bool) -> None:
     runtime.set_health_status(ready)
 
 

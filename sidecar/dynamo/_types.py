@@ -16,7 +16,8 @@ __all__ = [
     "WorkerRole",
 ]
 
-DiscoveryBackend: TypeAlias = Literal["file", "etcd", "kubernetes"]
+#: ``mem`` works only inside one process (tests).
+DiscoveryBackend: TypeAlias = Literal["file", "etcd", "kubernetes", "mem"]
 EndpointType: TypeAlias = Literal["chat", "completions"]
 WorkerRole: TypeAlias = Literal["aggregated", "prefill", "decode", "encode"]
 

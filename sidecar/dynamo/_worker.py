@@ -80,7 +80,9 @@ class DynamoWorker:
     shuts down whatever is left, bounded by :data:`CLOSE_TIMEOUT`.
     """
 
-    def __init__(self, edge: Edge, settings: DynamoSettings, runtime: b.Runtime, endpoint: b.Endpoint, iid: int):
+    def __init__(
+        self, edge: Edge, settings: DynamoSettings, runtime: b.DistributedRuntime, endpoint: b.Endpoint, iid: int
+    ):
         self._edge: Final = edge
         self._settings: Final = settings
         self._runtime: Final = runtime
@@ -189,7 +191,11 @@ class DynamoWorker:
             await self._edge.run(b.shutdown, self._runtime)
 
     def set_health(self, ready: bool) -> None:
-        """The worker's own ``/health`` (system port): 200 ``ready`` or 503. Does not affect routing."""
+        """The worker's own ``/health`` (system port): 200 ``ready`` or 503 ``notready``. Does not affect routing.
+
+        Only while no endpoint is served with a ``health_check_payload``: once one is, Dynamo 1.6.1 derives
+        ``/health`` from that endpoint's canary health and ignores this flag (``False`` still answers 200).
+        """
         self._edge.loop.call_soon_threadsafe(b.set_health, self._runtime, ready)
 
     async def registration_present(self) -> bool:
@@ -218,15 +224,16 @@ class DynamoWorker:
         await self._send_shutdown()
         if self._serving:
             await self._served.wait()
-        elif self._settings.discovery_backend == "file":
-            # No serve task to tell us teardown is over: wait for the card to be removed instead.
-            _, card = file_discovery_keys(self._settings, self._instance_id)
+        if self._settings.discovery_backend == "file":
+            # Teardown runs on after serve_endpoint has returned (or when it was cancelled and never will): give it
+            # a moment to remove our files, or the frontend keeps routing here until the 10 s TTL runs out.
+            instance, card = file_discovery_keys(self._settings, self._instance_id)
 
-            async def card_gone() -> bool:
-                return not await trio.to_thread.run_sync(card.exists)
+            async def files_gone() -> bool:
+                return not await trio.to_thread.run_sync(lambda: instance.exists() or card.exists())
 
             with trio.move_on_after(2.0):
-                await _poll_until(card_gone)
+                await _poll_until(files_gone)
 
 
 @asynccontextmanager

@@ -163,9 +163,9 @@ class Edge:
         except BaseException:
             await self.aclose()
             raise
-        if self._start_error is not None:
+        if self._start_error is not None or self._stopped.is_set():
             await self.aclose()
-            raise EdgeError(f"edge thread {self._name!r} could not create its loop") from self._start_error
+            raise EdgeError(f"edge thread {self._name!r} could not start its loop") from self._start_error
         if self._state is _State.STARTING:
             self._state = _State.OPEN
 
@@ -195,7 +195,8 @@ class Edge:
         asyncio.set_event_loop(loop)
         self._thread_id = threading.get_ident()
         self._link = link
-        to_trio(self._token, self._started.set)
+        # Reported from inside the loop, so that "started" means "running".
+        loop.call_soon(to_trio, self._token, self._started.set)
         try:
             loop.run_forever()
         finally:
@@ -207,6 +208,7 @@ class Edge:
             finally:
                 asyncio.set_event_loop(None)
                 loop.close()
+                to_trio(self._token, self._started.set)  # no-op unless the loop died before it ever ran
                 to_trio(self._token, self._stopped.set)
 
 

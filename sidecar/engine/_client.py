@@ -33,6 +33,7 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 from grpclib.encoding.proto import ProtoCodec
 from grpclib.exceptions import GRPCError
+
 from openengine.v1 import generation_pb2
 from openengine_bp.openengine.v1 import (
     AbortRequest,
@@ -61,7 +62,6 @@ from openengine_bp.openengine.v1 import (
     UnloadLoraRequest,
     UnloadLoraResponse,
 )
-
 from sidecar.edge import EdgeError
 from sidecar.errors import EngineRpcError, GrpcCode
 
@@ -90,6 +90,8 @@ SUBSCRIBE_KV_EVENTS_PATH: Final = "/openengine.v1.Control/SubscribeKvEvents"
 _BACKSTOP_S: Final = 2.0
 # Bound of closing the pool (closing transports is synchronous on the loop; this only guards a wedged loop).
 _CLOSE_GRACE_S: Final = 5.0
+# Default deadline of Health with the inference probe (TensorRT-LLM's probe is bounded to 30 s server-side).
+_PROBE_TIMEOUT_S: Final = 35.0
 # wait_connected logs a repeated failure at most this often (and whenever the error text changes).
 _LOG_EVERY_S: Final = 30.0
 # Statuses that mean "not reachable yet": wait_connected keeps trying on these and fails fast on anything else
@@ -214,7 +216,7 @@ class EngineClient:
             except EngineRpcError as exc:
                 if exc.code not in _RETRY_CODES:
                     raise
-                last_error = exc.message
+                last_error = f"{exc.code.name}: {exc.details}" if exc.details else exc.code.name
             failures += 1
             now = trio.current_time()
             if last_error != last_logged_error or now - last_logged_at >= _LOG_EVERY_S:
@@ -227,10 +229,11 @@ class EngineClient:
                 )
                 last_logged_error, last_logged_at = last_error, now
             await trio.sleep_until(min(deadline, now + cfg.retry_interval_s))
+        waited = round(max(0.0, deadline - start), 1)
         raise EngineRpcError(
             "GetServerInfo",
             GrpcCode.UNAVAILABLE,
-            f"could not reach OpenEngine at {cfg.endpoint} within {max(0.0, deadline - start):g}s: {last_error}",
+            f"could not reach OpenEngine at {cfg.endpoint} within {waited:g}s: {last_error}",
         )
 
     async def _probe_pool(self, attempt_s: float) -> ServerInfo:
@@ -266,7 +269,11 @@ class EngineClient:
             return
         self._closed = True
         with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_GRACE_S) as scope:
-            await self._edge.run(_aio_close_channels, self._channels)
+            try:
+                await self._edge.run(_aio_close_channels, self._channels)
+            except EdgeError:
+                # The loop is already gone, and its transports with it: nothing left to close.
+                log.debug("edge loop already closed; OpenEngine connections went with it")
         if scope.cancelled_caught:
             log.warning("closing the OpenEngine connections took more than %gs; abandoned", _CLOSE_GRACE_S)
 
@@ -342,8 +349,14 @@ class EngineClient:
         trace: TraceContext | None = None,
         timeout_s: float | None = None,
     ) -> HealthResponse:
-        """``Control.Health``. The inference probe can take up to 30 s on TensorRT-LLM: pass a longer ``timeout_s``."""
+        """``Control.Health``; ``model`` and ``role`` only label the inference probe.
+
+        With ``include_inference_probe`` the default deadline is at least 35 s: TensorRT-LLM bounds its one-token probe
+        to 30 s, and the answer (DEGRADED) is worth more than our own DEADLINE_EXCEEDED.
+        """
         request = HealthRequest(include_inference_probe=include_inference_probe, model=model, role=role)
+        if timeout_s is None and include_inference_probe:
+            timeout_s = max(self._config.rpc_timeout_s, _PROBE_TIMEOUT_S)
         return await self._unary("Health", self._control.health, request, trace, timeout_s)
 
     async def abort(

@@ -14,7 +14,6 @@ from openengine_bp.openengine.v1 import (
     ModelInfo,
     ServerInfo,
 )
-
 from sidecar.convert import Capabilities, GenerateCall, build_generate_request
 
 REQUEST_ID = "req-1"

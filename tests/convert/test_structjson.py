@@ -180,7 +180,7 @@ def test_struct_bytes_helpers() -> None:
     # Deterministic: map keys sorted, so equal objects give equal bytes whatever the key order.
     assert data == structjson.json_to_struct_bytes({"a": [True, None], "b": 1})
     assert structjson.struct_bytes_to_json(data) == {"a": [True, None], "b": 1}
-    with pytest.raises(StructValueError, match="not a google.protobuf.Struct"):
+    with pytest.raises(StructValueError, match=r"not a google\.protobuf\.Struct"):
         structjson.struct_bytes_to_json(b"\xff\xff\xff")
 
 
@@ -191,7 +191,7 @@ def test_value_helpers() -> None:
 
 
 def test_upb_and_betterproto2_encode_identically() -> None:
-    obj = {"k": [1, 2.5, None, True, "s", {"n": -3}, []]}
+    obj: dict[str, Any] = {"k": [1, 2.5, None, True, "s", {"n": -3}, []]}
     pb = structjson.json_to_pb_struct(obj).SerializeToString(deterministic=True)
     assert bytes(structjson.json_to_bp_struct(obj)) == pb
 

@@ -19,7 +19,8 @@ Per-request behaviour comes from ``nvext.annotations`` (``"key:value"`` strings)
     fail_at:<n>        raise after n tokens were sent (default 0: before the first token)
     fail_tag:<tag>     raise only on the worker started with --tag <tag>
 
-Commands on stdin, one per line: withdraw, restore, unregister, register, republish, present, health <0|1>.
+Commands on stdin, one per line: withdraw, restore, unregister, register, republish, present, health <0|1>, abort
+(leave the serving nursery without calling ``shutdown``).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class Echo:
             raise
 
 
-async def commands(worker: DynamoWorker, reg: Registration) -> None:
+async def commands(worker: DynamoWorker, reg: Registration, nursery: trio.Nursery) -> None:
     stdin = trio.lowlevel.FdStream(0)
     buffer = b""
     while True:
@@ -137,6 +138,9 @@ async def commands(worker: DynamoWorker, reg: Registration) -> None:
                     await worker.republish()
                 elif command == "present":
                     result = await worker.registration_present()
+                elif command == "abort":
+                    # Leave without worker.shutdown(): open_dynamo's exit must clean up on its own.
+                    nursery.cancel_scope.cancel(reason="abort command")
                 elif command.startswith("health "):
                     worker.set_health(command.split()[1] == "1")
                 else:
@@ -163,7 +167,8 @@ async def main(args: argparse.Namespace) -> None:
         t_runtime = time.monotonic() - t0
         async with trio.open_nursery() as nursery:
             t1 = time.monotonic()
-            await worker.serve(nursery, echo.handle, health_check_payload={"token_ids": [1]})
+            payload = None if args.no_health_payload else {"token_ids": [1], "stop_conditions": {"max_tokens": 1}}
+            await worker.serve(nursery, echo.handle, health_check_payload=payload)
             t_serve = time.monotonic() - t1
             t2 = time.monotonic()
             await worker.register(reg)
@@ -177,7 +182,7 @@ async def main(args: argparse.Namespace) -> None:
                 f"register={t_register:.4f}",
             )
             if args.stdin:
-                nursery.start_soon(commands, worker, reg)
+                nursery.start_soon(commands, worker, reg, nursery)
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for _ in signals:
                     break
@@ -199,4 +204,5 @@ if __name__ == "__main__":
     parser.add_argument("--tag", default="a")
     parser.add_argument("--drain-timeout", type=float, default=20.0)
     parser.add_argument("--stdin", action="store_true", help="read commands from stdin")
+    parser.add_argument("--no-health-payload", action="store_true", help="serve without health_check_payload")
     trio.run(main, parser.parse_args())

@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from sidecar.dynamo import DynamoSettings, file_discovery_keys
-from tests.helpers.processes import list_models, wait_for_model
+from tests.helpers.processes import list_models, start_frontend, wait_for_model
 
 from .workers import body, post, start_echo_worker
 
@@ -56,6 +56,26 @@ async def test_completions_and_chat_streaming_and_not(
                 assert reply.status == 200, reply
                 assert reply.text() == "user\nOne two three four five six"
                 assert reply.finish_reason() == "stop"
+
+
+async def test_trace_context_and_annotations_reach_the_handler(dynamo_env: DynamoEnv, model_dir: Path) -> None:
+    with trio.fail_after(TEST_TIMEOUT):
+        # The client's traceparent reaches the worker's context only with tracing on (JSONL logging or OTel export)
+        # in the frontend *and* the worker; with it on only in the worker, the worker starts a trace of its own.
+        dynamo_env.env["DYN_LOGGING_JSONL"] = "1"
+        async with (
+            start_frontend(dynamo_env) as frontend,
+            start_echo_worker(dynamo_env, model_dir) as worker,
+        ):
+            await wait_for_model(frontend.url, "tiny", 20)
+            trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+            headers = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01", "tracestate": "x=1"}
+            reply = await post(frontend.url, body(annotations=["k:v", "a:b"]), headers=headers)
+            assert reply.status == 200
+            line = (await worker.process.wait_for_log(r"^REQ a .*$", 5)).group(0)
+            assert "annotations=['k:v', 'a:b']" in line, line
+            # Same trace, the frontend's span as parent; tracestate is dropped by the frontend.
+            assert f"'traceparent': '00-{trace_id}-" in line, line
 
 
 async def test_request_rejected_is_a_400_with_the_message(
@@ -138,6 +158,29 @@ async def test_migratable_error_is_migrated_to_the_other_worker(
                 assert reply.finish_reason() == "length"
             assert a.count("REQ") >= 1, "worker a never got a request"
             assert b.count("DONE") == 6
+
+
+@pytest.mark.parametrize("frontend", [3], indirect=True)
+@pytest.mark.parametrize("kind", ["Unknown", "InvalidArgument"])
+async def test_non_migratable_error_is_not_migrated(
+    frontend: Frontend, dynamo_env: DynamoEnv, model_dir: Path, kind: str
+) -> None:
+    status = {"Unknown": 500, "InvalidArgument": 400}[kind]
+    with trio.fail_after(TEST_TIMEOUT):
+        async with (
+            start_echo_worker(dynamo_env, model_dir, tag="a") as a,
+            start_echo_worker(dynamo_env, model_dir, tag="b") as b,
+        ):
+            await wait_for_model(frontend.url, "tiny", 20)
+            await trio.sleep(0.5)
+            failed = 0
+            for _ in range(6):
+                reply = await post(frontend.url, body(max_tokens=4, annotations=[f"fail:{kind}", "fail_tag:a"]))
+                assert reply.status in (200, status), reply
+                failed += reply.status == status
+            assert failed >= 1
+            assert failed == a.count("REQ"), "a failed request was retried elsewhere"
+            assert b.count("REQ") == 6 - failed
 
 
 async def test_client_disconnect_cancels_the_trio_handler_task(
@@ -263,6 +306,8 @@ async def test_lost_registration_is_detected_and_republished(
         async with start_echo_worker(dynamo_env, model_dir) as worker:
             await wait_for_model(frontend.url, "tiny", 20)
             assert await worker.command("present") == "True"
+            await worker.command("republish")  # harmless while everything is in place
+            assert (await post(frontend.url, body(max_tokens=2))).status == 200
             instance, card = file_discovery_keys(DynamoSettings(), int(worker.instance_hex, 16), dynamo_env.file_kv)
             assert instance.is_file()
             assert card.is_file()
@@ -308,3 +353,41 @@ async def test_sigterm_drains_in_flight_requests(frontend: Frontend, dynamo_env:
             assert re.search(r"^EXIT", log, re.MULTILINE)
             assert "tiny" not in await list_models(frontend.url)
             assert not list((dynamo_env.file_kv / "v1" / "instances").glob("*"))
+
+
+@pytest.mark.parametrize("health_payload", [False, True])
+async def test_set_health_drives_the_system_health_endpoint(
+    frontend: Frontend, dynamo_env: DynamoEnv, model_dir: Path, health_payload: bool
+) -> None:
+    extra = () if health_payload else ("--no-health-payload",)
+    with trio.fail_after(TEST_TIMEOUT):
+        async with (
+            start_echo_worker(dynamo_env, model_dir, extra=extra) as worker,
+            httpx.AsyncClient(timeout=5) as client,
+        ):
+            url = f"http://127.0.0.1:{worker.system_port}/health"
+            assert (await client.get(url)).status_code == 200  # the worker calls set_health(True) once serving
+            await worker.command("health 0")
+            await trio.sleep(0.05)
+            # Served with a health_check_payload, /health follows the endpoint's own (canary) health and
+            # set_health(False) has no effect: Dynamo 1.6.1 behaviour, pinned here.
+            assert (await client.get(url)).status_code == (200 if health_payload else 503)
+            await worker.command("health 1")
+            await trio.sleep(0.05)
+            assert (await client.get(url)).status_code == 200
+
+
+async def test_leaving_open_dynamo_without_shutdown_still_deregisters(
+    frontend: Frontend, dynamo_env: DynamoEnv, model_dir: Path
+) -> None:
+    with trio.fail_after(TEST_TIMEOUT):
+        async with start_echo_worker(dynamo_env, model_dir) as worker:
+            await wait_for_model(frontend.url, "tiny", 20)
+            t0 = time.monotonic()
+            await worker.process.send_line("abort")
+            assert await worker.process.wait(10) == 0
+            exit_s = time.monotonic() - t0
+            assert not list((dynamo_env.file_kv / "v1" / "instances").glob("*"))
+            assert not list((dynamo_env.file_kv / "v1" / "mdc").glob("*"))
+            gone = await wait_for_model(frontend.url, "tiny", 5, present=False)
+    print(f"\nabort -> process exit {exit_s:.2f} s, model gone {gone:.3f} s later")

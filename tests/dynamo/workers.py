@@ -26,6 +26,7 @@ class EchoWorker:
     process: Process
     instance_hex: str
     timings: dict[str, float]
+    system_port: int
 
     async def command(self, command: str, timeout: float = 10.0) -> str:
         """Send a stdin command and return its result field."""
@@ -43,12 +44,19 @@ async def start_echo_worker(
     denv: DynamoEnv, model_dir: Path, *, tag: str = "a", extra: tuple[str, ...] = ()
 ) -> AsyncIterator[EchoWorker]:
     argv = [sys.executable, str(ECHO_WORKER), "--model-path", str(model_dir), "--tag", tag, "--stdin", *extra]
+    env = denv.worker_env()
     async with start_process(
-        argv, denv.worker_env(), log_path=denv.log_path(f"worker-{tag}"), ready=r"^READY ", stdin=True
+        argv, env, log_path=denv.log_path(f"worker-{tag}"), ready=r"^READY ", stdin=True
     ) as process:
         match = await process.wait_for_log(r"^READY (\S+) runtime=(\S+) serve=(\S+) register=(\S+)", 1)
         timings = {k: float(match.group(i)) for i, k in enumerate(("runtime", "serve", "register"), start=2)}
-        yield EchoWorker(tag=tag, process=process, instance_hex=match.group(1), timings=timings)
+        yield EchoWorker(
+            tag=tag,
+            process=process,
+            instance_hex=match.group(1),
+            timings=timings,
+            system_port=int(env["DYN_SYSTEM_PORT"]),
+        )
 
 
 def body(
@@ -118,9 +126,16 @@ def _json_or_raw(text: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"raw": value}
 
 
-async def post(url: str, payload: dict[str, Any], *, chat: bool = True, timeout: float = 20.0) -> Reply:
+async def post(
+    url: str,
+    payload: dict[str, Any],
+    *,
+    chat: bool = True,
+    timeout: float = 20.0,
+    headers: dict[str, str] | None = None,
+) -> Reply:
     """POST to the frontend; parse SSE when ``payload["stream"]``."""
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
         if not payload.get("stream"):
             response = await client.post(url + path(chat), json=payload)
             return Reply(response.status_code, _json_or_raw(response.text), [], False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 import pytest
 import trio
@@ -13,6 +14,9 @@ from sidecar.edge import EdgeClosed, open_edge
 from sidecar.edge._link import to_trio
 
 from ._helpers import TIMEOUT
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 
 def edge_threads(name: str) -> list[threading.Thread]:
@@ -77,7 +81,7 @@ async def test_a_stream_still_open_when_the_edge_closes_raises_edge_closed() -> 
     token = trio.lowlevel.current_trio_token()
     started = trio.Event()
 
-    async def slow() -> object:
+    async def slow() -> AsyncIterator[int]:
         token.run_sync_soon(started.set)
         await asyncio.sleep(30)
         yield 1
@@ -91,7 +95,7 @@ async def test_a_stream_still_open_when_the_edge_closes_raises_edge_closed() -> 
 
 
 async def test_nothing_can_be_started_on_a_closed_edge() -> None:
-    async def nothing() -> object:
+    async def nothing() -> AsyncIterator[int]:
         return
         yield
 

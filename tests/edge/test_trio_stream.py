@@ -182,11 +182,11 @@ async def test_an_outer_trio_cancel_reaches_asyncio_as_bridge_cancelled_with_the
         raised.append(await edge.run(consume))
 
     with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as handlers:
-            async with trio.open_nursery() as requests:  # the worker's request nursery; a drain deadline cancels it
-                handlers.start_soon(handler, requests)
-                await got_first.wait()
-                requests.cancel_scope.cancel(reason="drain deadline")
+        # `requests` stands for the worker's request nursery, which a drain deadline cancels.
+        async with trio.open_nursery() as handlers, trio.open_nursery() as requests:
+            handlers.start_soon(handler, requests)
+            await got_first.wait()
+            requests.cancel_scope.cancel(reason="drain deadline")
 
     assert isinstance(raised[0], BridgeCancelled)
     assert "drain deadline" in str(raised[0])

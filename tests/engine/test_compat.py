@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from openengine_bp.openengine.v1 import ServerInfo
 
+from openengine_bp.openengine.v1 import ServerInfo
 from sidecar.engine import (
     CLIENT_REVISION,
     PINNED_SCHEMA_RELEASE,

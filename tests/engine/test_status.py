@@ -51,7 +51,8 @@ def test_ok_as_error_reads_unknown() -> None:
 @pytest.mark.parametrize(
     ("exc", "code"),
     [
-        (asyncio.TimeoutError("Deadline exceeded"), GrpcCode.DEADLINE_EXCEEDED),
+        # grpclib's deadline raises asyncio.TimeoutError (= TimeoutError on 3.11) without an errno.
+        (TimeoutError("Deadline exceeded"), GrpcCode.DEADLINE_EXCEEDED),
         (TimeoutError(errno.ETIMEDOUT, "Connection timed out"), GrpcCode.UNAVAILABLE),
         (StreamTerminatedError("Connection lost"), GrpcCode.UNAVAILABLE),
         (StreamTerminatedError("Stream reset by remote party, error_code: 2"), GrpcCode.UNAVAILABLE),

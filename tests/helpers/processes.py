@@ -326,9 +326,14 @@ async def start_frontend(
     *,
     migration_limit: int = 0,
     extra_args: Sequence[str] = (),
+    extra_env: dict[str, str] | None = None,
     ready_timeout: float = 30.0,
 ) -> AsyncIterator[Frontend]:
-    """Start the real Dynamo frontend on a free loopback port; yields once ``/health`` answers; always killed."""
+    """Start the real Dynamo frontend on a free loopback port; yields once ``/live`` answers; always killed.
+
+    A client's ``traceparent`` reaches a worker's context only with tracing on in the frontend and the worker
+    (``DYN_LOGGING_JSONL=1`` or ``OTEL_EXPORT_ENABLED=1`` in both); ``tracestate`` is never forwarded.
+    """
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [
@@ -353,7 +358,8 @@ async def start_frontend(
     async def healthy(_: Process) -> bool:
         return await http_ok(f"{url}/live")
 
+    env = {**denv.env, **(extra_env or {})}
     async with start_process(
-        argv, denv.env, log_path=denv.log_path("frontend"), ready=healthy, ready_timeout=ready_timeout
+        argv, env, log_path=denv.log_path("frontend"), ready=healthy, ready_timeout=ready_timeout
     ) as process:
         yield Frontend(url=url, port=port, migration_limit=migration_limit, process=process)

@@ -151,9 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-name", default=d.engine_name)
     p.add_argument("--engine-version", default=None, help="[the openengine-sidecar package version]")
     p.add_argument("--instance-id", default=None, help="[openengine-mock-<random hex>]")
-    p.add_argument(
-        "--schema-release", default="full", help="full | prefix | empty | a literal string [%(default)s]"
-    )
+    p.add_argument("--schema-release", default="full", help="full | prefix | empty | a literal string [%(default)s]")
     p.add_argument("--max-context-length", type=_positive_int, default=d.max_context_length)
     p.add_argument("--max-output-tokens", type=_positive_int, default=None)
     p.add_argument("--kv-block-size", type=_positive_int, default=d.kv_block_size)

@@ -47,6 +47,7 @@ from .textstream import OutputText
 from .validate import PROMPT_LOGPROB_LIMIT, Rejection, RequestPlan, validate_request
 
 if TYPE_CHECKING:
+    from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
     from multidict import MultiDict
 
     from .config import MockConfig
@@ -251,8 +252,14 @@ class _Emitter:
     def _response(self) -> generation_pb2.GenerateResponse:
         return generation_pb2.GenerateResponse(request_id=self._req.plan.request_id)
 
-    def _fill(self, container: object, tokens: Sequence[_Token], *, with_logprobs: bool) -> None:
-        add = container.add  # type: ignore[attr-defined]
+    def _fill(
+        self,
+        container: RepeatedCompositeFieldContainer[generation_pb2.TokenInfo],
+        tokens: Sequence[_Token],
+        *,
+        with_logprobs: bool,
+    ) -> None:
+        add = container.add
         token_text = self._lm.token_text
         for token_id, logprob, rank, candidates in tokens:
             if not with_logprobs:
@@ -349,10 +356,10 @@ class Engine:
             self.ready = True
             log.info("startup delay over: ready")
 
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no request is live (``True``) or ``timeout`` passes (``False``)."""
+    async def wait_idle(self, grace: float) -> bool:
+        """Wait until no request is live (``True``) or ``grace`` seconds pass (``False``)."""
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await asyncio.wait_for(self._idle.wait(), grace)
         except TimeoutError:
             return False
         return True
@@ -533,8 +540,10 @@ class Engine:
     def _make_outputs(self, req: LiveRequest) -> list[_Output]:
         plan, alloc = req.plan, req.alloc
         assert alloc is not None
-        base = plan.seed if plan.seed is not None else int.from_bytes(
-            hashlib.blake2b(plan.request_id.encode(), digest_size=8).digest(), "little"
+        base = (
+            plan.seed
+            if plan.seed is not None
+            else int.from_bytes(hashlib.blake2b(plan.request_id.encode(), digest_size=8).digest(), "little")
         )
         need_text = plan.detokenize or bool(plan.stop_texts)
         tail_start = len(req.prompt_hashes) * self.config.kv_block_size
@@ -752,8 +761,9 @@ class Engine:
         if due_error:
             log.info("request %r: injected EngineError after %d tokens", req.plan.request_id, generated)
             name = error_pb2.ErrorCode.Name(faults.error_code)
-            await em.error(faults.error_code, f"openengine-mock: injected {name} after {generated} tokens",
-                           faults.error_retryable)
+            await em.error(
+                faults.error_code, f"openengine-mock: injected {name} after {generated} tokens", faults.error_retryable
+            )
             return True
         if due_drop:
             drop()
@@ -772,8 +782,9 @@ class Engine:
             if out is not None:
                 out.finished = True
                 await self._flush(em, plan, out, final=True)
-            await em.finished(index, generation_pb2.FINISH_REASON_CANCELLED, None, last=k == len(remaining) - 1,
-                              message=message)
+            await em.finished(
+                index, generation_pb2.FINISH_REASON_CANCELLED, None, last=k == len(remaining) - 1, message=message
+            )
 
     # -- Control -----------------------------------------------------------------------------------------------------
 
@@ -882,9 +893,14 @@ class Engine:
             await asyncio.wait_for(self.generate(req, collect, lambda: None), _PROBE_TIMEOUT_S)
         except TimeoutError:
             return lifecycle_pb2.HEALTH_STATE_DEGRADED, "inference probe timed out"
-        if events and events[-1].WhichOneof("event") == "finished" and events[-1].finished.reason in (
-            generation_pb2.FINISH_REASON_STOP,
-            generation_pb2.FINISH_REASON_LENGTH,
+        if (
+            events
+            and events[-1].WhichOneof("event") == "finished"
+            and events[-1].finished.reason
+            in (
+                generation_pb2.FINISH_REASON_STOP,
+                generation_pb2.FINISH_REASON_LENGTH,
+            )
         ):
             return lifecycle_pb2.HEALTH_STATE_READY, "generated 1 token"
         return lifecycle_pb2.HEALTH_STATE_DEGRADED, "inference probe failed"

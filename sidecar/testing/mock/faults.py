@@ -7,7 +7,7 @@ of silently running without the fault.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, get_args
+from typing import Literal, cast, get_args
 
 from grpclib.const import Status
 
@@ -53,7 +53,7 @@ class MockFaults:
     reject_status: Status | None = None
     reject_message: str = ""
     error_after_tokens: int | None = None
-    error_code: int = error_pb2.ERROR_CODE_INTERNAL
+    error_code: error_pb2.ErrorCode = error_pb2.ERROR_CODE_INTERNAL
     error_retryable: bool = False
     drop_after_tokens: int | None = None
     hang_after_tokens: int | None = None
@@ -72,7 +72,7 @@ class MockFaults:
 
 def _count(key: str, value: JsonValue) -> int:
     if isinstance(value, bool) or not isinstance(value, float) or not value.is_integer() or value < 0:
-        raise FaultError(f'extra.mock.{key} must be a non-negative integer, got {value!r}')
+        raise FaultError(f"extra.mock.{key} must be a non-negative integer, got {value!r}")
     return int(value)
 
 
@@ -122,7 +122,7 @@ def parse_faults(raw: JsonValue) -> MockFaults:
         violation = _string("violation", raw["violation"])
         if violation not in VIOLATIONS:
             raise FaultError(f"extra.mock.violation must be one of {', '.join(VIOLATIONS)}; got {violation!r}")
-        faults = dataclasses.replace(faults, violation=violation)
+        faults = dataclasses.replace(faults, violation=cast(Violation, violation))
     if "tokens" in raw:
         tokens = raw["tokens"]
         if not isinstance(tokens, list) or not tokens:

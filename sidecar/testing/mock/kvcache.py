@@ -11,9 +11,9 @@ a prefix share the hashes of the full blocks of that prefix. Every block is in e
 * **evictable** — registered (hashed, reusable) but unreferenced: kept in LRU order and reused by a later prefix hit,
   or evicted (oldest first) when the free list is empty.
 
-Admission follows TensorRT-LLM's default ``GUARANTEED_NO_EVICT`` policy: a request is admitted only when every block it
-could ever need (prompt + ``max_tokens`` for each output) can be *reserved*; afterwards it takes physical blocks from its
-reservation as its sequence grows, so a running request never waits for blocks and the pool never deadlocks. The
+Admission follows TensorRT-LLM's default ``GUARANTEED_NO_EVICT`` policy: a request is admitted only when every block
+it could ever need (prompt + ``max_tokens`` for each output) can be *reserved*; afterwards it takes physical blocks from
+its reservation as its sequence grows, so a running request never waits for blocks and the pool never deadlocks. The
 unused rest of the reservation is returned when the request ends.
 
 Every registration and eviction is reported as a :class:`BlockStored` / :class:`BlockRemoved` event to subscribers and
@@ -203,8 +203,14 @@ class BlockPool:
         self._reserved += new_blocks
         return Allocation(self, hits, new_blocks)
 
-    def register(self, block: Block, block_hash_: int, parent_hash: int | None, token_ids: Sequence[int],
-                 lora_name: str | None = None) -> bool:
+    def register(
+        self,
+        block: Block,
+        block_hash_: int,
+        parent_hash: int | None,
+        token_ids: Sequence[int],
+        lora_name: str | None = None,
+    ) -> bool:
         """Make a full block reusable under ``block_hash_``; ``False`` if that hash is already registered."""
         if block.block_hash is not None or block_hash_ in self._by_hash:
             return False

@@ -17,11 +17,11 @@ def value_to_python(value: struct_pb2.Value) -> JsonValue:
     if kind == "null_value" or kind is None:
         return None
     if kind == "bool_value":
-        return value.bool_value
+        return bool(value.bool_value)
     if kind == "number_value":
-        return value.number_value
+        return float(value.number_value)
     if kind == "string_value":
-        return value.string_value
+        return str(value.string_value)
     if kind == "list_value":
         return [value_to_python(v) for v in value.list_value.values]
     return struct_to_dict(value.struct_value)

@@ -124,7 +124,7 @@ def _finite(name: str, value: float) -> float:
 
 def _candidates(name: str, response: generation_pb2.ResponseOptions, field: str, max_top_n: int) -> int:
     """The ``top_n`` of one candidate selection (0 when unset); token_ids/all are UNIMPLEMENTED as in TRT."""
-    if not response.HasField(field):  # type: ignore[arg-type]
+    if not response.HasField(field):
         return 0
     selection: generation_pb2.CandidateTokenSelection = getattr(response, field)
     kind = selection.WhichOneof("selection")
@@ -241,7 +241,9 @@ def validate_request(
     if not request.model:
         raise _invalid("model must not be empty")
     if request.model not in config.model_names:
-        raise _reject(Status.NOT_FOUND, f"model {request.model!r} is not served here (serving {config.served_model_name!r})")
+        raise _reject(
+            Status.NOT_FOUND, f"model {request.model!r} is not served here (serving {config.served_model_name!r})"
+        )
     if is_live(request.request_id):
         raise _reject(Status.ALREADY_EXISTS, f"request_id {request.request_id!r} is already active")
 
@@ -296,7 +298,7 @@ def validate_request(
     if not 0.0 <= min_p <= 1.0:
         raise _invalid(f"min_p must be in [0, 1], got {min_p}")
     for name in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
-        if sampling.HasField(name):  # type: ignore[arg-type]
+        if sampling.HasField(name):
             _finite(name, getattr(sampling, name))
     if sampling.HasField("repetition_penalty") and sampling.repetition_penalty <= 0:
         raise _invalid("repetition_penalty must be > 0")
@@ -419,9 +421,7 @@ def validate_request(
     if stopping.HasField("max_tokens"):
         max_tokens = stopping.max_tokens
         if prompt_len + max_tokens > window:
-            raise _invalid(
-                f"prompt length {prompt_len} + max_tokens {max_tokens} exceeds max_context_length={window}"
-            )
+            raise _invalid(f"prompt length {prompt_len} + max_tokens {max_tokens} exceeds max_context_length={window}")
         if config.max_output_tokens is not None and max_tokens > config.max_output_tokens:
             raise _invalid(f"max_tokens {max_tokens} exceeds max_output_tokens={config.max_output_tokens}")
     else:

@@ -1,0 +1,110 @@
+"""Process lifecycle: listen, write the port file, serve until SIGTERM/SIGINT, drain with a 5 s grace, exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from grpclib.config import Configuration
+from grpclib.server import Server
+
+from .engine import Engine
+from .service import ControlService, InferenceService, LimitedProtoCodec
+
+if TYPE_CHECKING:
+    from .config import MockConfig
+    from .lmapi import LanguageModel
+
+__all__ = ["STOP_GRACE_S", "format_address", "serve", "write_port_file"]
+
+log = logging.getLogger("openengine_mock")
+
+#: Open streams get this long to finish after SIGTERM/SIGINT before they are cut (TensorRT-LLM: ``stop(grace=5)``).
+STOP_GRACE_S = 5.0
+#: Inbound HTTP/2 windows: bounded so one connection cannot queue megabytes ahead of the handlers (grpc-stack §4.2).
+_WINDOW_BYTES = 1024 * 1024
+_WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, with IPv6 literals bracketed."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def write_port_file(path: Path, address: str) -> None:
+    """Write ``address`` to ``path`` atomically (a temp file in the same directory, then rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(address + "\n")
+    os.replace(tmp, path)
+
+
+def _load_model(config: MockConfig) -> LanguageModel:
+    from .lm import TinyLM
+
+    return TinyLM.load(config.model_dir)
+
+
+async def serve(config: MockConfig, lm: LanguageModel | None = None) -> int:
+    """Run the mock until a stop signal; returns the process exit code."""
+    if lm is None:
+        lm = _load_model(config)
+    engine = Engine(config, lm)
+    server = Server(
+        [InferenceService(engine), ControlService(engine)],
+        codec=LimitedProtoCodec(),
+        config=Configuration(
+            http2_connection_window_size=_WINDOW_BYTES,
+            http2_stream_window_size=_WINDOW_BYTES,
+            _keepalive_time=30.0,
+            _keepalive_timeout=10.0,
+            _keepalive_permit_without_calls=True,
+        ),
+    )
+    await server.start(config.host, config.port)
+    listener = server._server
+    assert listener is not None
+    sockets: Sequence[socket.socket] = getattr(listener, "sockets", ())  # asyncio's and uvloop's servers have it
+    bound = sockets[0].getsockname()
+    host = config.host if config.host not in _WILDCARDS else "127.0.0.1"
+    engine.listen_host, engine.listen_port = host, int(bound[1])
+    address = format_address(host, engine.listen_port)
+    if config.port_file is not None:
+        write_port_file(config.port_file, address)
+    print(f"openengine-mock listening on {address}", flush=True)
+    log.info(
+        "serving %r (role %s, instance %s, speedup %g)",
+        config.served_model_name,
+        config.role,
+        config.instance_id,
+        config.speedup,
+    )
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    startup = asyncio.create_task(engine.run_startup())
+    try:
+        await stop.wait()
+        log.info("stop signal: no new requests; %d open, %.0f s grace", len(engine.live), STOP_GRACE_S)
+        engine.draining = True
+        listener.close()  # stop accepting connections; open connections keep being served
+        if not await engine.wait_idle(STOP_GRACE_S):
+            log.warning("grace period over: cutting %d open stream(s)", len(engine.live))
+        server.close()  # cancels the remaining handlers
+        try:
+            await asyncio.wait_for(server.wait_closed(), STOP_GRACE_S)
+        except TimeoutError:
+            log.warning("handlers did not finish after cancellation")
+    finally:
+        startup.cancel()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    log.info("stopped")
+    return 0

@@ -1,0 +1,246 @@
+"""The asyncio request handler in-process: the real edge, a fake Dynamo context, no frontend.
+
+Covers what the e2e tests cannot force: Dynamo leaving the generator suspended after a stop (the stop must still
+cancel the trio task), and the exact exception each failure becomes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+import dynamo.llm.exceptions as dx
+import pytest
+import trio
+
+from sidecar.dynamo import CANCELLED_CHUNK, Registration, RequestContext
+from sidecar.dynamo._bindings import dynamo_exception
+from sidecar.dynamo._handler import make_handler
+from sidecar.edge import Edge, open_edge
+from sidecar.errors import (
+    DynamoErrorKind,
+    EngineFailure,
+    EngineGone,
+    EngineRpcError,
+    GrpcCode,
+    ProtocolViolation,
+    RequestRejected,
+    SidecarError,
+    Violation,
+    WorkerDraining,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+TIMEOUT = 10
+
+
+class FakeContext:
+    """What the handler uses of ``dynamo._core.Context``; create it on the edge loop."""
+
+    def __init__(self) -> None:
+        self.stopped: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+    def id(self) -> str:
+        return "req-1"
+
+    def is_stopped(self) -> bool:
+        return self.stopped.done()
+
+    def trace_headers(self) -> dict[str, str] | None:
+        return {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "x-request-id": "x"}
+
+    def async_killed_or_stopped(self) -> asyncio.Future[bool]:
+        return self.stopped
+
+    def stop(self) -> None:
+        if not self.stopped.done():
+            self.stopped.set_result(True)
+
+
+class Probe:
+    """A trio handler with knobs, recording what happened to its task."""
+
+    def __init__(self, batches: int = 3, error: BaseException | None = None, forever: bool = False) -> None:
+        self.batches = batches
+        self.error = error
+        self.forever = forever
+        self.cancelled = trio.Event()
+        self.finished = trio.Event()
+        self.ctx: RequestContext | None = None
+
+    async def __call__(self, request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[list[dict[str, Any]]]:
+        self.ctx = ctx
+        try:
+            i = 0
+            while self.forever or i < self.batches:
+                yield [{"token_ids": [2 * i]}, {"token_ids": [2 * i + 1]}]
+                i += 1
+                await trio.sleep(0.005)
+            if self.error is not None:
+                raise self.error
+        except trio.Cancelled:
+            self.cancelled.set()
+            raise
+        finally:
+            self.finished.set()
+
+
+async def start(edge: Edge, nursery: trio.Nursery, probe: Probe) -> tuple[Any, FakeContext]:
+    """Create the generator and its context on the edge loop."""
+
+    async def create() -> tuple[Any, FakeContext]:
+        ctx = FakeContext()
+        return make_handler(edge, nursery, probe)({"token_ids": [1]}, ctx), ctx  # type: ignore[arg-type]
+
+    return await edge.run(create)
+
+
+async def take(edge: Edge, agen: Any, n: int | None = None) -> tuple[list[dict[str, Any]], BaseException | None]:
+    """Read ``n`` chunks (or to the end) on the edge loop; returns the chunks and what ended the read."""
+
+    async def read() -> tuple[list[dict[str, Any]], BaseException | None]:
+        out: list[dict[str, Any]] = []
+        try:
+            while n is None or len(out) < n:
+                out.append(await agen.__anext__())
+        except StopAsyncIteration:
+            return out, None
+        except Exception as error:
+            return out, error
+        return out, None
+
+    return await edge.run(read)
+
+
+async def test_chunks_are_flattened_in_order_and_the_context_is_passed() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_edge() as edge, trio.open_nursery() as nursery:
+            probe = Probe(batches=3)
+            agen, _ = await start(edge, nursery, probe)
+            chunks, error = await take(edge, agen)
+            assert error is None
+            assert [c["token_ids"][0] for c in chunks] == list(range(6))
+            assert probe.ctx is not None
+            assert probe.ctx.request_id == "req-1"
+            assert probe.ctx.trace_headers == {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+            assert not probe.cancelled.is_set()
+
+
+async def test_a_stop_cancels_the_trio_task_even_if_dynamo_never_touches_the_generator_again() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_edge() as edge, trio.open_nursery() as nursery:
+            probe = Probe(forever=True)
+            agen, ctx = await start(edge, nursery, probe)
+            chunks, _ = await take(edge, agen, 1)
+            assert chunks == [{"token_ids": [0]}]
+            # The generator stays suspended at its yield, as the binding sometimes leaves it after a stop.
+            t0 = trio.current_time()
+            await edge.run(_call_soon, ctx.stop)
+            with trio.fail_after(1):
+                await probe.cancelled.wait()
+            assert trio.current_time() - t0 < 0.5
+            await edge.run(agen.aclose)
+
+
+async def _call_soon(fn: Any) -> None:
+    fn()
+
+
+async def test_a_stop_while_dynamo_waits_ends_the_stream_with_a_cancelled_chunk() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_edge() as edge, trio.open_nursery() as nursery:
+            probe = Probe(forever=True)
+            agen, ctx = await start(edge, nursery, probe)
+
+            async def read_then_stop() -> list[dict[str, Any]]:
+                out = [await agen.__anext__()]
+                asyncio.get_running_loop().call_later(0.05, ctx.stop)
+                async for chunk in agen:
+                    out.append(chunk)
+                return out
+
+            chunks = await edge.run(read_then_stop)
+            assert chunks[-1] == CANCELLED_CHUNK
+            with trio.fail_after(1):
+                await probe.cancelled.wait()
+
+
+async def test_closing_the_generator_cancels_the_trio_task() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_edge() as edge, trio.open_nursery() as nursery:
+            probe = Probe(forever=True)
+            agen, _ = await start(edge, nursery, probe)
+            await take(edge, agen, 3)
+            await edge.run(agen.aclose)
+            with trio.fail_after(1):
+                await probe.cancelled.wait()
+
+
+@pytest.mark.parametrize(
+    ("error", "expected", "message"),
+    [
+        (RequestRejected("messages", "no media"), dx.InvalidArgument, "messages: no media"),
+        (EngineGone("engine restarted"), dx.Disconnected, "engine restarted"),
+        (WorkerDraining("draining"), dx.EngineShutdown, "draining"),
+        (
+            EngineRpcError("Generate", GrpcCode.UNAVAILABLE, "refused"),
+            dx.Disconnected,
+            "Generate: UNAVAILABLE: refused",
+        ),
+        (
+            EngineRpcError("Generate", GrpcCode.DEADLINE_EXCEEDED, ""),
+            dx.ConnectionTimeout,
+            "Generate: DEADLINE_EXCEEDED",
+        ),
+        (EngineFailure(5, "busy", retryable=True), dx.Disconnected, "OpenEngine [OVERLOADED]: busy"),
+        (EngineFailure(10, "", retryable=False), dx.Cancelled, "OpenEngine [CANCELLED]"),
+        (ProtocolViolation(Violation.EMPTY_EVENT, "x"), dx.Unknown, "engine protocol violation (empty_event): x"),
+        (RuntimeError("oops"), dx.Unknown, "RuntimeError: oops"),
+        (TimeoutError("slow"), dx.Unknown, "TimeoutError: slow"),  # never a migratable 504 by accident
+    ],
+)
+async def test_failures_become_dynamo_exceptions_after_the_chunks_sent_before_them(
+    error: Exception, expected: type[Exception], message: str
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_edge() as edge, trio.open_nursery() as nursery:
+            agen, _ = await start(edge, nursery, Probe(batches=1, error=error))
+            chunks, raised = await take(edge, agen)
+            assert len(chunks) == 2
+            assert type(raised) is expected
+            assert str(raised) == message
+            assert raised.__cause__ is error
+
+
+async def test_a_trio_task_cancelled_from_outside_is_migrated_as_engine_shutdown() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_edge() as edge, trio.open_nursery() as outer:
+            async with trio.open_nursery() as requests:
+                probe = Probe(forever=True)
+                agen, _ = await start(edge, requests, probe)
+                await take(edge, agen, 1)
+                requests.cancel_scope.cancel(reason="drain deadline")
+            _, raised = await take(edge, agen)
+            assert type(raised) is dx.EngineShutdown
+            assert "drain deadline" in str(raised)
+            outer.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("kind", list(DynamoErrorKind))
+def test_every_error_kind_names_a_dynamo_exception_class(kind: DynamoErrorKind) -> None:
+    error = SidecarError("m")
+    error.kind = kind
+    assert type(dynamo_exception(error)).__name__ == kind.value
+    assert hasattr(dx, kind.value)
+
+
+def test_registration_validation() -> None:
+    Registration(model_path="/m", served_model_name="x", worker_type="prefill", endpoint_types=(), needs=(("decode",),))
+    with pytest.raises(ValueError, match="endpoint_types"):
+        Registration(model_path="/m", served_model_name="x", endpoint_types=())
+    with pytest.raises(ValueError, match="worker_type"):
+        Registration(model_path="/m", served_model_name="x", worker_type="both")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs"):
+        Registration(model_path="/m", served_model_name="x", needs=(("nobody",),))  # type: ignore[arg-type]
