@@ -352,6 +352,7 @@ def print_table(results: dict[tuple[str, int], list[Result]], stream_counts: lis
     print(header)
     print("-" * len(header))
     rates: dict[tuple[str, int], float] = {}
+    cpu: dict[tuple[str, int], float] = {}
     for streams in stream_counts:
         for client in ("ours", "ours-1conn", "reference"):
             runs = results.get((client, streams))
@@ -359,7 +360,7 @@ def print_table(results: dict[tuple[str, int], list[Result]], stream_counts: lis
                 continue
             rate = _median([r.rate for r in runs])
             rates[(client, streams)] = rate
-            us = _median([r.client_us_per_msg for r in runs])
+            us = cpu[(client, streams)] = _median([r.client_us_per_msg for r in runs])
             share = _median([r.server_share for r in runs])
             print(f"{client:<12}{streams:>8}{rate:>16.0f}{us:>15.1f}{100 * share:>11.0f}%{len(runs):>6}")
     print()
@@ -369,7 +370,10 @@ def print_table(results: dict[tuple[str, int], list[Result]], stream_counts: lis
             continue
         for client in ("ours", "ours-1conn"):
             if (client, streams) in rates:
-                print(f"ratio {client}/reference at {streams} stream(s): {rates[(client, streams)] / ref:.2f}x")
+                print(
+                    f"ratio {client}/reference at {streams} stream(s): {rates[(client, streams)] / ref:.2f}x msg/s, "
+                    f"{cpu[(client, streams)] / cpu[('reference', streams)]:.2f}x client CPU per message"
+                )
 
 
 if __name__ == "__main__":

@@ -94,67 +94,164 @@ def build_parser() -> argparse.ArgumentParser:
             **kwargs,  # type: ignore[arg-type]
         )
 
-    add(engine, "--grpc-endpoint", "DYN_SIDECAR_GRPC_ENDPOINT",
-        "OpenEngine gRPC endpoint: host:port, http://host:port or grpc://host:port (plaintext h2c)")
-    add(engine, "--grpc-connections", "DYN_SIDECAR_GRPC_CONNECTIONS",
+    add(
+        engine,
+        "--grpc-endpoint",
+        "DYN_SIDECAR_GRPC_ENDPOINT",
+        "OpenEngine gRPC endpoint: host:port, http://host:port or grpc://host:port (plaintext h2c)",
+    )
+    add(
+        engine,
+        "--grpc-connections",
+        "DYN_SIDECAR_GRPC_CONNECTIONS",
         "independent HTTP/2 connections to the engine; Generate streams are spread round-robin",
-        default=8, type=_positive(int))
-    add(engine, "--grpc-connect-attempt-timeout-secs", "DYN_SIDECAR_GRPC_CONNECT_ATTEMPT_TIMEOUT_SECS",
-        "bound on one connection attempt", default=30.0, type=_positive(float))
-    add(engine, "--grpc-retry-interval-secs", "DYN_SIDECAR_GRPC_RETRY_INTERVAL_SECS",
-        "pause between connection attempts while the engine is not up yet", default=1.0, type=_positive(float))
-    add(engine, "--grpc-startup-deadline-secs", "DYN_SIDECAR_GRPC_STARTUP_DEADLINE_SECS",
+        default=8,
+        type=_positive(int),
+    )
+    add(
+        engine,
+        "--grpc-connect-attempt-timeout-secs",
+        "DYN_SIDECAR_GRPC_CONNECT_ATTEMPT_TIMEOUT_SECS",
+        "bound on one connection attempt",
+        default=30.0,
+        type=_positive(float),
+    )
+    add(
+        engine,
+        "--grpc-retry-interval-secs",
+        "DYN_SIDECAR_GRPC_RETRY_INTERVAL_SECS",
+        "pause between connection attempts while the engine is not up yet",
+        default=1.0,
+        type=_positive(float),
+    )
+    add(
+        engine,
+        "--grpc-startup-deadline-secs",
+        "DYN_SIDECAR_GRPC_STARTUP_DEADLINE_SECS",
         "bound on each startup phase (connect, engine readiness); the worker refuses to start after it",
-        default=1800.0, type=_positive(float))
-    add(engine, "--grpc-rpc-timeout-secs", "DYN_SIDECAR_GRPC_RPC_TIMEOUT_SECS",
-        "deadline of every unary Control RPC", default=30.0, type=_positive(float))
-    add(engine, "--expected-engine", "DYN_SIDECAR_EXPECTED_ENGINE",
-        "refuse to start unless ServerInfo.engine_name equals this (e.g. tensorrt_llm)")
-    add(engine, "--expected-schema-release", "DYN_SIDECAR_EXPECTED_SCHEMA_RELEASE",
-        "refuse to start unless the engine's schema_release matches this immutable id (prefix match, >= 12 hex)")
-    add(engine, "--model", "DYN_SIDECAR_MODEL",
-        "which of the engine's supported_models to serve; required when it serves several")
+        default=1800.0,
+        type=_positive(float),
+    )
+    add(
+        engine,
+        "--grpc-rpc-timeout-secs",
+        "DYN_SIDECAR_GRPC_RPC_TIMEOUT_SECS",
+        "deadline of every unary Control RPC",
+        default=30.0,
+        type=_positive(float),
+    )
+    add(
+        engine,
+        "--expected-engine",
+        "DYN_SIDECAR_EXPECTED_ENGINE",
+        "refuse to start unless ServerInfo.engine_name equals this (e.g. tensorrt_llm)",
+    )
+    add(
+        engine,
+        "--expected-schema-release",
+        "DYN_SIDECAR_EXPECTED_SCHEMA_RELEASE",
+        "refuse to start unless the engine's schema_release matches this immutable id (prefix match, >= 12 hex)",
+    )
+    add(
+        engine,
+        "--model",
+        "DYN_SIDECAR_MODEL",
+        "which of the engine's supported_models to serve; required when it serves several",
+    )
 
     model = parser.add_argument_group("model registration")
-    add(model, "--model-path", "DYN_MODEL_PATH",
-        "local directory with the tokenizer and chat template the frontend uses (no weights needed)")
-    add(model, "--served-model-name", "DYN_SERVED_MODEL_NAME",
-        "name clients use in `model`; default: the engine's served_model_name")
-    add(model, "--context-length", "DYN_CONTEXT_LENGTH",
+    add(
+        model,
+        "--model-path",
+        "DYN_MODEL_PATH",
+        "local directory with the tokenizer and chat template the frontend uses (no weights needed)",
+    )
+    add(
+        model,
+        "--served-model-name",
+        "DYN_SERVED_MODEL_NAME",
+        "name clients use in `model`; default: the engine's served_model_name",
+    )
+    add(
+        model,
+        "--context-length",
+        "DYN_CONTEXT_LENGTH",
         "context window in tokens; wins over the engine's max_context_length (a disagreement is logged)",
-        type=_positive(int))
-    add(model, "--endpoint-types", "DYN_ENDPOINT_TYPES",
-        "comma-separated OpenAI endpoints to register: chat, completions", default="chat,completions")
-    add(model, "--dyn-tool-call-parser", "DYN_TOOL_CALL_PARSER",
-        "tool-call parser name for the frontend; default: ModelInfo.tool_call_parser")
-    add(model, "--dyn-reasoning-parser", "DYN_REASONING_PARSER",
-        "reasoning parser name for the frontend; default: ModelInfo.reasoning_parser")
-    add(model, "--disaggregation-mode", "DYN_DISAGGREGATION_MODE",
+        type=_positive(int),
+    )
+    add(
+        model,
+        "--endpoint-types",
+        "DYN_ENDPOINT_TYPES",
+        "comma-separated OpenAI endpoints to register: chat, completions",
+        default="chat,completions",
+    )
+    add(
+        model,
+        "--dyn-tool-call-parser",
+        "DYN_TOOL_CALL_PARSER",
+        "tool-call parser name for the frontend; default: ModelInfo.tool_call_parser",
+    )
+    add(
+        model,
+        "--dyn-reasoning-parser",
+        "DYN_REASONING_PARSER",
+        "reasoning parser name for the frontend; default: ModelInfo.reasoning_parser",
+    )
+    add(
+        model,
+        "--disaggregation-mode",
+        "DYN_DISAGGREGATION_MODE",
         "agg, prefill or decode; used when the engine reports no role (TensorRT-LLM reports UNSPECIFIED)",
-        choices=("agg", "prefill", "decode"))
+        choices=("agg", "prefill", "decode"),
+    )
 
     dynamo = parser.add_argument_group("Dynamo")
     add(dynamo, "--namespace", "DYN_NAMESPACE", "Dynamo namespace", default="dynamo")
-    add(dynamo, "--component", "DYN_COMPONENT",
-        "Dynamo component; default: backend (aggregated, decode) or prefill (prefill role)")
+    add(
+        dynamo,
+        "--component",
+        "DYN_COMPONENT",
+        "Dynamo component; default: backend (aggregated, decode) or prefill (prefill role)",
+    )
     add(dynamo, "--endpoint", "DYN_ENDPOINT", "Dynamo endpoint name", default="generate")
-    add(dynamo, "--discovery-backend", "DYN_DISCOVERY_BACKEND",
-        "service discovery: file (one machine, DYN_FILE_KV), etcd, kubernetes", default="file",
-        choices=("file", "etcd", "kubernetes", "mem"))
+    add(
+        dynamo,
+        "--discovery-backend",
+        "DYN_DISCOVERY_BACKEND",
+        "service discovery: file (one machine, DYN_FILE_KV), etcd, kubernetes",
+        default="file",
+        choices=("file", "etcd", "kubernetes", "mem"),
+    )
     add(dynamo, "--request-plane", "DYN_REQUEST_PLANE", "request plane", default="tcp", choices=("tcp", "nats"))
     add(dynamo, "--event-plane", "DYN_EVENT_PLANE", "event plane", default="zmq", choices=("zmq", "nats"))
 
     lifecycle = parser.add_argument_group("requests and lifecycle")
-    add(lifecycle, "--abort-timeout-secs", "DYN_SIDECAR_ABORT_TIMEOUT_SECS",
-        "bound on the shielded Control.Abort sent when a request is cancelled", default=2.0, type=_positive(float))
-    add(lifecycle, "--drain-timeout-secs", "DYN_SIDECAR_DRAIN_TIMEOUT_SECS",
-        "on SIGTERM, how long in-flight requests may run before they are cancelled", default=30.0,
-        type=_positive(float))
-    add(lifecycle, "--request-inactivity-timeout-secs", "DYN_SIDECAR_REQUEST_INACTIVITY_TIMEOUT_SECS",
-        "fail a request whose engine stream sends nothing for this long (a hung engine)", default=120.0,
-        type=_positive(float))
-    add(lifecycle, "--log-level", "DYN_LOG", "log level", default="info",
-        choices=("debug", "info", "warning", "error"))
+    add(
+        lifecycle,
+        "--abort-timeout-secs",
+        "DYN_SIDECAR_ABORT_TIMEOUT_SECS",
+        "bound on the shielded Control.Abort sent when a request is cancelled",
+        default=2.0,
+        type=_positive(float),
+    )
+    add(
+        lifecycle,
+        "--drain-timeout-secs",
+        "DYN_SIDECAR_DRAIN_TIMEOUT_SECS",
+        "on SIGTERM, how long in-flight requests may run before they are cancelled",
+        default=30.0,
+        type=_positive(float),
+    )
+    add(
+        lifecycle,
+        "--request-inactivity-timeout-secs",
+        "DYN_SIDECAR_REQUEST_INACTIVITY_TIMEOUT_SECS",
+        "fail a request whose engine stream sends nothing for this long (a hung engine)",
+        default=120.0,
+        type=_positive(float),
+    )
+    add(lifecycle, "--log-level", "DYN_LOG", "log level", default="info", choices=("debug", "info", "warning", "error"))
     return parser
 
 

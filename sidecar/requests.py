@@ -156,6 +156,8 @@ class RequestServer:
             return
         lifecycle = RequestLifecycle(ctx.request_id)
         metrics.REQUESTS_RECEIVED.inc()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s: %s", ctx.request_id, request)
         try:
             trace = dict(ctx.trace_headers)
             call = build_generate_request(
@@ -287,5 +289,3 @@ async def _answer_canary(serving: ServingContext) -> dict[str, Any]:
         "finish_reason": "stop",
         "completion_usage": {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt},
     }
-
-

@@ -189,6 +189,8 @@ def run_worker(config: SidecarConfig) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # transitions logs every callback at INFO; the worker's own observer logs what an operator needs.
+    logging.getLogger("transitions").setLevel(logging.WARNING)
     if _observe_worker not in WORKER.observers:
         WORKER.observers.append(_observe_worker)
     worker = Worker(config)

@@ -72,4 +72,5 @@ def test_help_explains_every_flag_with_its_environment_twin() -> None:
         ("--namespace", "DYN_NAMESPACE"),
         ("--drain-timeout-secs", "DYN_SIDECAR_DRAIN_TIMEOUT_SECS"),
     ]:
-        assert flag in out and env in out
+        assert flag in out
+        assert env in out

@@ -6,7 +6,7 @@ what the engine would have seen (opened streams, stream closes, aborts); each te
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -176,7 +176,7 @@ class Recorder:
 
 
 @pytest.fixture
-def recorder() -> AsyncIterator[Recorder]:
+def recorder() -> Iterator[Recorder]:
     rec = Recorder()
     REQUEST.observers.append(rec)
     yield rec
@@ -205,7 +205,8 @@ async def test_a_complete_stream_ends_finished_without_abort(
     assert chunks[-1]["finish_reason"] == "length"
     assert chunks[-1]["completion_usage"]["completion_tokens"] == 2
     assert recorder.events == [("submit", "submitted"), ("first_token", "streaming"), ("finish", "finished")]
-    assert engine.aborts == [] and engine.stream_closed_early == 0
+    assert engine.aborts == []
+    assert engine.stream_closed_early == 0
 
 
 async def test_an_unsupported_option_is_rejected_before_any_rpc(
@@ -270,9 +271,13 @@ async def test_an_event_after_the_terminal_fails_the_request_instead_of_succeedi
 ) -> None:
     engine = FakeEngine([(0.01, [token(0, 10), finished(0)]), (0.01, [token(0, 11)])])
     out: list[dict[str, Any]] = []
-    with pytest.raises(ProtocolViolation) as caught:
+
+    async def consume() -> None:
         async for batch in make_server(engine).handle(request(), RequestContext(request_id=RID)):
             out.extend(batch)
+
+    with pytest.raises(ProtocolViolation) as caught:
+        await consume()
     assert caught.value.violation is Violation.EVENT_AFTER_TERMINAL
     assert all("finish_reason" not in c for c in out), "the success must not reach the client first"
     assert recorder.final == "failed"
@@ -318,7 +323,7 @@ async def test_a_worker_cancel_ends_the_request_with_a_migratable_error(
 ) -> None:
     engine = FakeEngine([(0.01, [token(0, 10)]), (60.0, [finished(0)])])
     server = make_server(engine)
-    outcome: list[BaseException] = []
+    outcome: list[WorkerDraining] = []
 
     async def run() -> None:
         try:
@@ -330,7 +335,8 @@ async def test_a_worker_cancel_ends_the_request_with_a_migratable_error(
         nursery.start_soon(run)
         await trio.sleep(1.0)
         assert server.cancel_all(WorkerDraining("drain deadline")) == 1
-    assert len(outcome) == 1 and outcome[0].migratable
+    assert len(outcome) == 1
+    assert outcome[0].migratable
     assert recorder.final == "cancelled"
     assert engine.aborts == [RID]
     await server.wait_idle()

@@ -34,6 +34,7 @@ __all__ = [
     "Endpoint",
     "create_runtime",
     "dynamo_exception",
+    "export_metrics",
     "register",
     "restore",
     "serve_endpoint",
@@ -141,6 +142,13 @@ async def shutdown(runtime: DistributedRuntime) -> None:
 
 def set_health(runtime: DistributedRuntime, ready: bool) -> None:
     runtime.set_health_status(ready)
+
+
+async def export_metrics(endpoint: Endpoint, exposition: Callable[[], str], typed: Callable[[], list[Any]]) -> None:
+    """Add our metrics to the system port: ``exposition`` is appended to ``/metrics`` at every scrape (called on a
+    runtime thread, with the GIL), ``typed`` feeds Dynamo's OTLP export (``dynamo/prometheus_metrics.pyi``)."""
+    endpoint.metrics.register_prometheus_expfmt_callback(exposition)
+    endpoint.metrics.register_prometheus_typed_callback(typed)
 
 
 async def instance_ids(endpoint: Endpoint, clients: dict[str, Any]) -> list[int]:

@@ -3,10 +3,16 @@
 Per request, on the edge loop thread::
 
     Dynamo ──▶ generate(request, context)              the asyncio async generator Dynamo iterates
-                  ▲ queue (one batch: backpressure)
+                  ▲ outbox (pending chunks, coalesced; bounded in tokens)
                pump task ── edge.trio_stream ──▶ trio handler task in the worker's request nursery
                   ▲ cancel
                context.async_killed_or_stopped()    (a done-callback, not code inside the generator)
+
+Adaptive coalescing across this hop: the pump never waits for Dynamo to take a chunk. What arrives while Dynamo is
+busy with the previous chunk is merged into the pending chunk of its output (``sidecar.convert.coalesce``), and the
+generator hands Dynamo everything pending at once. When Dynamo keeps up, nothing is pending and every chunk goes out
+alone, with no added delay (there is no timer). Only a consumer that stops reading makes the pump wait, once
+:data:`_MAX_PENDING_TOKENS` tokens are pending; the bridge's own bound then holds the trio task.
 
 Why a pump task and a callback instead of a loop inside ``generate``: Dynamo's cancellation is cooperative, and
 after a client disconnect the binding may leave ``generate`` suspended forever without closing it
@@ -22,6 +28,7 @@ import logging
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any, Final
 
+from sidecar.convert.coalesce import PendingChunks
 from sidecar.edge import EdgeError
 from sidecar.errors import WorkerDraining
 
@@ -54,13 +61,71 @@ class _Stopped:
     __slots__ = ()
 
 
-#: Batches the trio handler may run ahead of Dynamo's reads (bridge backpressure), plus one in the queue.
+#: Batches the trio handler may run ahead of the pump (bridge backpressure).
 _HIGH_WATER: Final = 8
+#: Tokens that may wait for Dynamo before the pump stops reading (a consumer that stopped reading, not a slow one).
+_MAX_PENDING_TOKENS: Final = 4096
 
 _END: Final = _End()
 _STOPPED: Final = _Stopped()
 
-_Item = list[dict[str, Any]] | _End | _Stopped | Exception
+_Outcome = _End | _Stopped | Exception
+
+
+class _Outbox:
+    """What one request's pump has for its generator: pending chunks (coalesced), then how the stream ended.
+
+    Loop thread only. One producer (the pump), one consumer (the generator).
+    """
+
+    __slots__ = ("_loop", "_reader", "_writer", "outcome", "pending")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.pending = PendingChunks()
+        self.outcome: _Outcome | None = None
+        self._reader: asyncio.Future[None] | None = None  # the generator waits for chunks or an outcome
+        self._writer: asyncio.Future[None] | None = None  # the pump waits for room
+
+    def put(self, chunks: list[dict[str, Any]]) -> None:
+        self.pending.extend(chunks)
+        self._wake_reader()
+
+    def end(self, outcome: _Outcome) -> None:
+        """The stream is over: ``outcome`` follows the pending chunks (``_STOPPED`` drops them)."""
+        if outcome is _STOPPED:
+            self.pending.take()
+        self.outcome = outcome
+        self._wake_reader()
+
+    async def room(self) -> None:
+        """Return once fewer than :data:`_MAX_PENDING_TOKENS` tokens wait for the generator."""
+        while self.pending.tokens >= _MAX_PENDING_TOKENS:
+            self._writer = self._loop.create_future()
+            try:
+                await self._writer
+            finally:
+                self._writer = None
+
+    async def get(self) -> list[dict[str, Any]] | _Outcome:
+        """Everything pending (merged), else the outcome, else wait for one of them."""
+        while True:
+            if self.pending:
+                chunks = self.pending.take()
+                if self._writer is not None and not self._writer.done():
+                    self._writer.set_result(None)
+                return chunks
+            if self.outcome is not None:
+                return self.outcome
+            self._reader = self._loop.create_future()
+            try:
+                await self._reader
+            finally:
+                self._reader = None
+
+    def _wake_reader(self) -> None:
+        if self._reader is not None and not self._reader.done():
+            self._reader.set_result(None)
 
 
 def request_context(request: dict[str, Any], context: Context) -> RequestContext:
@@ -86,21 +151,19 @@ async def _pump(
     handler: RequestHandler,
     request: dict[str, Any],
     ctx: RequestContext,
-    queue: asyncio.Queue[_Item],
+    outbox: _Outbox,
 ) -> None:
     stream = edge.trio_stream(nursery, handler, request, ctx, high_water=_HIGH_WATER)
-    outcome: _Item = _END
+    outcome: _Outcome = _END
     try:
         async for batches in stream:
-            flat = [chunk for batch in batches for chunk in batch]
-            if flat:
-                await queue.put(flat)
+            for batch in batches:
+                outbox.put(batch)
+            await outbox.room()
     except asyncio.CancelledError:
         # The context was stopped or killed (or the loop is shutting down): the bridge has already cancelled the
         # trio task. Drop what Dynamo has not read and leave a marker for a generator that is still reading.
-        while not queue.empty():
-            queue.get_nowait()
-        queue.put_nowait(_STOPPED)
+        outbox.end(_STOPPED)
         raise
     except Exception as error:
         outcome = _to_dynamo(error)
@@ -108,7 +171,7 @@ async def _pump(
     finally:
         with suppress(Exception):
             await stream.aclose()
-    await queue.put(outcome)
+    outbox.end(outcome)
 
 
 def make_handler(
@@ -118,15 +181,15 @@ def make_handler(
 
     async def generate(request: dict[str, Any], context: Context) -> AsyncIterator[dict[str, Any]]:
         ctx = request_context(request, context)
-        queue: asyncio.Queue[_Item] = asyncio.Queue(maxsize=1)
         loop = asyncio.get_running_loop()
-        pump = loop.create_task(_pump(edge, nursery, handler, request, ctx, queue), name=f"dynamo-req-{ctx.request_id}")
+        outbox = _Outbox(loop)
+        pump = loop.create_task(_pump(edge, nursery, handler, request, ctx, outbox), name=f"dynamo-req-{ctx.request_id}")
         stop = asyncio.ensure_future(context.async_killed_or_stopped())
         stop.add_done_callback(lambda _: pump.cancel())
         pump.add_done_callback(lambda _: stop.cancel())
         try:
             while True:
-                item = await queue.get()
+                item = await outbox.get()
                 if isinstance(item, list):
                     for chunk in item:
                         yield chunk

@@ -190,6 +190,14 @@ class DynamoWorker:
             self._shutdown_sent = True
             await self._edge.run(b.shutdown, self._runtime)
 
+    async def export_metrics(self, exposition: Callable[[], str], typed: Callable[[], list[Any]]) -> None:
+        """Serve our Prometheus metrics on the worker's system port ``/metrics``, next to Dynamo's own.
+
+        ``exposition`` returns Prometheus text and ``typed`` the families for Dynamo's OTLP export; both are called
+        by Dynamo on one of its runtime threads at every scrape, so they must be thread-safe and quick.
+        """
+        await self._edge.run(b.export_metrics, self._endpoint, exposition, typed)
+
     def set_health(self, ready: bool) -> None:
         """The worker's own ``/health`` (system port): 200 ``ready`` or 503 ``notready``. Does not affect routing.
 

@@ -1,36 +1,258 @@
-"""Prometheus metrics of the sidecar (prometheus-client's default registry).
+"""Prometheus metrics of the sidecar, in one registry of their own (:data:`REGISTRY`).
 
-Label values come from fixed sets (outcomes, violation names, RPC names), so cardinality stays bounded; request ids
-never become labels.
+The registry is exported through the worker's Dynamo system port (``DYN_SYSTEM_PORT``): ``sidecar.dynamo`` hands
+:func:`exposition` to Dynamo's ``Endpoint.metrics`` callbacks, so one ``curl :<system port>/metrics`` shows our
+``openengine_sidecar_*`` families next to Dynamo's ``dynamo_component_*``. A registry of our own (not
+prometheus-client's default one) keeps Python's ``process_*``/``python_*`` collectors out of Dynamo's page.
+
+Label values come from fixed sets (outcomes, violation names, RPC names, gRPC status names, state names), so
+cardinality stays bounded; request ids never become labels. Nothing here is updated per token: a request records its
+token counts and latencies once, when it ends (:class:`RequestStats`).
+
+Thread safety: metrics are updated on the trio thread and read by Dynamo's scrape on a runtime thread;
+prometheus-client's metric objects lock internally, and :class:`_StateCollector` only reads per-state integers.
 """
 
 from __future__ import annotations
 
-from typing import Final
+import time
+from typing import TYPE_CHECKING, Any, Final
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from statemachines import KINDS, REQUEST, WORKER
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator, Sequence
+
+    from prometheus_client.metrics_core import Metric
+
+__all__ = [
+    "ABORTS",
+    "ABORT_LATENCY",
+    "ENGINE_RECONNECTS",
+    "ENGINE_RPC_LATENCY",
+    "INPUT_TOKENS",
+    "INTER_TOKEN_LATENCY",
+    "KV_EVENT_LAG",
+    "KV_EVENT_RESYNCS",
+    "OUTPUT_TOKENS",
+    "PREFIX",
+    "PROTOCOL_VIOLATIONS",
+    "REGISTRY",
+    "REQUESTS_ENDED",
+    "REQUESTS_RECEIVED",
+    "TIME_TO_FIRST_TOKEN",
+    "WORKER_STATE",
+    "RequestStats",
+    "exposition",
+    "mark_worker_state",
+    "observe_rpc",
+    "typed_families",
+]
+
+PREFIX: Final = "openengine_sidecar"
+
+REGISTRY: Final = CollectorRegistry(auto_describe=True)
+"""Every metric of the sidecar; nothing else (no process or GC collectors: Dynamo's page is not ours)."""
+
+# Latencies from a millisecond (a local engine's Abort) to minutes (a long queue before the first token).
+_LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Inter-token latency: a decode step is milliseconds to a few hundred milliseconds.
+_ITL_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 REQUESTS_RECEIVED: Final = Counter(
-    "openengine_sidecar_requests_received", "Generation requests handed to the worker by Dynamo"
+    f"{PREFIX}_requests_received", "Generation requests handed to the worker by Dynamo", registry=REGISTRY
 )
 REQUESTS_ENDED: Final = Counter(
-    "openengine_sidecar_requests_ended",
+    f"{PREFIX}_requests_ended",
     "Generation requests by terminal outcome (finished, rejected, cancelled, failed)",
     ["outcome"],
+    registry=REGISTRY,
 )
 PROTOCOL_VIOLATIONS: Final = Counter(
-    "openengine_sidecar_protocol_violations",
+    f"{PREFIX}_protocol_violations",
     "Engine responses that broke the OpenEngine stream contract",
     ["violation"],
+    registry=REGISTRY,
 )
 ABORTS: Final = Counter(
-    "openengine_sidecar_aborts", "Control.Abort calls sent for requests that ended early", ["result"]
+    f"{PREFIX}_aborts",
+    "Control.Abort calls sent for requests that ended early, by result (sent, failed, timeout)",
+    ["result"],
+    registry=REGISTRY,
 )
 ABORT_LATENCY: Final = Histogram(
-    "openengine_sidecar_abort_latency_seconds",
+    f"{PREFIX}_abort_latency_seconds",
     "Time to complete Control.Abort",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+    registry=REGISTRY,
 )
 WORKER_STATE: Final = Gauge(
-    "openengine_sidecar_worker_state", "1 for the worker's current lifecycle state, 0 for the others", ["state"]
+    f"{PREFIX}_worker_state",
+    "1 for the worker's current lifecycle state, 0 for the others",
+    ["state"],
+    registry=REGISTRY,
 )
+TIME_TO_FIRST_TOKEN: Final = Histogram(
+    f"{PREFIX}_time_to_first_token_seconds",
+    "From opening the Generate stream to the first chunk with tokens (engine queueing + prefill + transport)",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+INTER_TOKEN_LATENCY: Final = Histogram(
+    f"{PREFIX}_inter_token_latency_seconds",
+    "Mean time between output tokens after the first, one observation per request with at least two tokens",
+    buckets=_ITL_BUCKETS,
+    registry=REGISTRY,
+)
+INPUT_TOKENS: Final = Counter(
+    f"{PREFIX}_input_tokens", "Prompt tokens of requests sent to the engine", registry=REGISTRY
+)
+OUTPUT_TOKENS: Final = Counter(
+    f"{PREFIX}_output_tokens", "Tokens generated by the engine and passed on to Dynamo", registry=REGISTRY
+)
+ENGINE_RPC_LATENCY: Final = Histogram(
+    f"{PREFIX}_engine_rpc_duration_seconds",
+    "Duration of OpenEngine RPCs by RPC name and final gRPC status (Generate: the whole stream)",
+    ["rpc", "code"],
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+ENGINE_RECONNECTS: Final = Counter(
+    f"{PREFIX}_engine_reconnects",
+    "Times the worker re-established its connection to the engine after losing it",
+    registry=REGISTRY,
+)
+KV_EVENT_LAG: Final = Histogram(
+    f"{PREFIX}_kv_event_lag_seconds",
+    "Delay between the engine stamping a KV cache event and the worker publishing it to Dynamo",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+KV_EVENT_RESYNCS: Final = Counter(
+    f"{PREFIX}_kv_event_resyncs",
+    "KV event stream resynchronisations (gap in sequence numbers, stream restart), by reason",
+    ["reason"],
+    registry=REGISTRY,
+)
+
+
+class _StateCollector(Collector):
+    """Models per lifecycle state, read from the machines' own counts at scrape time (no per-transition cost)."""
+
+    def collect(self) -> Iterator[Metric]:
+        active = GaugeMetricFamily(
+            f"{PREFIX}_requests_in_state",
+            "Requests currently in each non-terminal request state (statemachines/request.py)",
+            labels=["state"],
+        )
+        ended = CounterMetricFamily(
+            f"{PREFIX}_requests_terminal",
+            "Requests that reached each terminal request state since the process started",
+            labels=["state"],
+        )
+        for state, count in REQUEST.counts().items():
+            if state in REQUEST.terminal:
+                ended.add_metric([state], count)
+            else:
+                active.add_metric([state], count)
+        abandoned = CounterMetricFamily(
+            f"{PREFIX}_lifecycles_abandoned",
+            "Lifecycle models dropped before a terminal state, by machine (a bug if it moves)",
+            labels=["machine"],
+        )
+        for kind in KINDS:
+            abandoned.add_metric([kind.name], kind.abandoned)
+        yield active
+        yield ended
+        yield abandoned
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+REGISTRY.register(_StateCollector())
+
+for _state in WORKER.states:
+    WORKER_STATE.labels(state=_state).set(0)
+for _outcome in sorted(REQUEST.terminal):
+    REQUESTS_ENDED.labels(outcome=_outcome)
+
+
+def mark_worker_state(state: str) -> None:
+    """Set the worker-state gauge to ``state`` (the machine's initial state is never a transition's ``dest``)."""
+    for other in WORKER.states:
+        WORKER_STATE.labels(state=other).set(1 if other == state else 0)
+
+
+def observe_rpc(rpc: str, code: str, seconds: float) -> None:
+    """Record one engine RPC: ``rpc`` an OpenEngine RPC name, ``code`` a gRPC status name (``OK``, ``UNAVAILABLE``)."""
+    ENGINE_RPC_LATENCY.labels(rpc=rpc, code=code).observe(seconds)
+
+
+class RequestStats:
+    """Token counts and latencies of one request, recorded into the histograms once, at its end.
+
+    ``time.monotonic`` rather than ``trio.current_time``: this module is not trio code, and the figures are wall
+    latencies either way.
+    """
+
+    __slots__ = ("_first", "_last", "_start", "output_tokens")
+
+    def __init__(self, prompt_tokens: int) -> None:
+        INPUT_TOKENS.inc(prompt_tokens)
+        self._start = time.monotonic()
+        self._first = 0.0
+        self._last = 0.0
+        self.output_tokens = 0
+
+    def chunks(self, chunks: Sequence[dict[str, Any]]) -> None:
+        """Count the tokens of chunks about to be handed to Dynamo; the first token stamps the TTFT."""
+        tokens = 0
+        for chunk in chunks:
+            ids = chunk.get("token_ids")
+            if ids:
+                tokens += len(ids)
+        if not tokens:
+            return
+        now = time.monotonic()
+        if not self.output_tokens:
+            self._first = now
+            TIME_TO_FIRST_TOKEN.observe(now - self._start)
+        self._last = now
+        self.output_tokens += tokens
+
+    def end(self, *, code: str) -> None:
+        """The request ended; ``code`` is the Generate stream's gRPC status name."""
+        OUTPUT_TOKENS.inc(self.output_tokens)
+        if self.output_tokens > 1 and self._last > self._first:
+            INTER_TOKEN_LATENCY.observe((self._last - self._first) / (self.output_tokens - 1))
+        observe_rpc("Generate", code, time.monotonic() - self._start)
+
+
+def exposition() -> str:
+    """The registry in Prometheus text format (what Dynamo appends to the system port's ``/metrics``)."""
+    return generate_latest(REGISTRY).decode("utf-8")
+
+
+_Sample = tuple[str, list[tuple[str, str]], float, float | None]
+
+
+def typed_families() -> list[tuple[str, str, str, str, list[_Sample]]]:
+    """The registry as Dynamo's typed-callback structure (its OTLP export): ``(name, help, type, unit, samples)``."""
+    return [
+        (
+            metric.name,
+            metric.documentation,
+            metric.type,
+            metric.unit,
+            [
+                (s.name, list(s.labels.items()), float(s.value), None if s.timestamp is None else float(s.timestamp))
+                for s in metric.samples
+            ],
+        )
+        for metric in REGISTRY.collect()
+    ]

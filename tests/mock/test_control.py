@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from grpclib.client import Channel
@@ -230,6 +233,24 @@ def test_client_cancel_frees_the_request(addr: str) -> None:
     # The id is free again.
     out = call(addr, lambda ch: generate(ch, make_request(rid, max_tokens=2)))
     assert out.status == Status.OK
+
+
+_HANGING_CLIENT = """
+import sys
+from tests.mock._client import call, generate, make_request
+call(sys.argv[1], lambda ch: generate(ch, make_request(max_tokens=100, mock={"hang_after_tokens": 3})), timeout=60)
+"""
+
+
+def test_client_disconnect_frees_the_request(addr: str) -> None:
+    client = subprocess.Popen([sys.executable, "-c", _HANGING_CLIENT, addr], cwd=Path(__file__).parents[2])
+    try:
+        call(addr, lambda ch: wait_for_load(ch, lambda load: load.running_requests >= 1, timeout=20), timeout=30)
+    finally:
+        client.kill()
+        client.wait(10)
+    load = call(addr, lambda ch: wait_for_load(ch, lambda load: load.running_requests == 0, timeout=5))
+    assert load.used_kv_blocks == 0
 
 
 def test_kv_event_rpcs_are_unimplemented(addr: str) -> None:

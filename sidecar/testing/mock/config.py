@@ -79,6 +79,7 @@ class MockConfig:
     capabilities: Capabilities = Capabilities()
     health: HealthFlag = "ready"
     fault_exit_after_requests: int | None = None
+    faults_from_prompt: bool = False
     stall_timeout: float = 30.0
     log_level: str = "INFO"
 
@@ -177,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health", choices=["ready", "not_ready", "degraded"], default=d.health)
     p.add_argument("--fault-exit-after-requests", type=_positive_int, default=None, metavar="N")
     p.add_argument(
+        "--faults-from-prompt",
+        action="store_true",
+        help="honour a `[mock-fault key=value ...]` directive in the prompt text (tests through the real frontend)",
+    )
+    p.add_argument(
         "--stall-timeout", type=_positive_float, default=d.stall_timeout, help="stalled-consumer watchdog seconds"
     )
     p.add_argument("--log-level", default=d.log_level)
@@ -219,6 +225,7 @@ def parse_args(argv: Sequence[str] | None = None) -> MockConfig:
         capabilities=caps,
         health=ns.health,
         fault_exit_after_requests=ns.fault_exit_after_requests,
+        faults_from_prompt=ns.faults_from_prompt,
         stall_timeout=ns.stall_timeout,
         log_level=ns.log_level.upper(),
     )

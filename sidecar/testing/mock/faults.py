@@ -7,6 +7,7 @@ of silently running without the fault.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Literal, cast, get_args
 
 from grpclib.const import Status
@@ -15,7 +16,11 @@ from openengine.v1 import error_pb2
 
 from .structs import JsonValue
 
-__all__ = ["VIOLATIONS", "FaultError", "MockFaults", "Violation", "parse_faults"]
+__all__ = ["VIOLATIONS", "FaultError", "MockFaults", "Violation", "parse_faults", "prompt_fault_spec"]
+
+# `[mock-fault key=value ...]` inside the prompt text, for tests that can only reach the engine through the real
+# frontend (no way to set GenerateRequest.extra there). Off unless the mock runs with --faults-from-prompt.
+_PROMPT_DIRECTIVE = re.compile(r"\[mock-fault((?:\s+[a-z_]+=[A-Za-z0-9_.-]+)+)\s*\]")
 
 Violation = Literal[
     "wrong_request_id",
@@ -129,3 +134,24 @@ def parse_faults(raw: JsonValue) -> MockFaults:
             raise FaultError("extra.mock.tokens must be a non-empty list of token ids")
         faults = dataclasses.replace(faults, tokens=tuple(_count("tokens[]", t) for t in tokens))
     return faults
+
+
+def prompt_fault_spec(text: str) -> dict[str, JsonValue] | None:
+    """The ``[mock-fault k=v ...]`` directive in ``text`` as an ``extra.mock`` object, or None when absent.
+
+    Values read as JSON would: ``true``/``false`` are booleans, whole numbers are numbers (Struct numbers are
+    doubles), anything else is a string. ``tokens`` cannot be given this way.
+    """
+    match = _PROMPT_DIRECTIVE.search(text)
+    if match is None:
+        return None
+    spec: dict[str, JsonValue] = {}
+    for pair in match.group(1).split():
+        key, _, value = pair.partition("=")
+        if value in ("true", "false"):
+            spec[key] = value == "true"
+        elif value.isdigit():
+            spec[key] = float(value)
+        else:
+            spec[key] = value
+    return spec

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from grpclib.const import Status
 
-from .faults import FaultError, MockFaults, parse_faults
+from .faults import FaultError, MockFaults, parse_faults, prompt_fault_spec
 from .structs import JsonValue, struct_to_dict
 
 if TYPE_CHECKING:
@@ -227,9 +227,13 @@ def validate_request(
 
     # 0. Mock faults first, so a test can force any pre-acceptance status.
     faults = MockFaults()
-    if "mock" in extra:
+    spec = extra.get("mock")
+    if spec is None and config.faults_from_prompt:
+        text = request.prompt if request.WhichOneof("input") == "prompt" else lm.decode(request.token_ids.ids)
+        spec = prompt_fault_spec(text)
+    if spec is not None:
         try:
-            faults = parse_faults(extra["mock"])
+            faults = parse_faults(spec)
         except FaultError as exc:
             raise _invalid(str(exc)) from None
         if faults.reject_status is not None:
