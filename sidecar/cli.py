@@ -50,7 +50,22 @@ class SidecarConfig:
     abort_timeout_s: float
     drain_timeout_s: float
     request_inactivity_timeout_s: float
+    health_poll_interval_s: float
+    health_timeout_s: float
+    health_failure_threshold: int
+    exit_on_engine_loss: bool
+    reconnect_backoff_max_s: float
+    registration_check_interval_s: float
+    grpc_tls_ca: Path | None
+    grpc_tls_cert: Path | None
+    grpc_tls_key: Path | None
     log_level: str
+    log_format: str = "text"
+    ops_host: str = "127.0.0.1"
+    ops_port: int | None = None
+    kv_events: Literal["auto", "off"] = "auto"
+    load_poll_interval_s: float = 1.0
+    load_max_age_s: float = 5.0
 
 
 class ConfigError(ValueError):
@@ -80,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
             "A Dynamo backend worker that serves one OpenEngine engine (e.g. `trtllm-serve --grpc --grpc-protocol "
             "openengine`, or openengine-mock) over gRPC. Each flag has a DYN_* environment twin; the flag wins."
         ),
+        epilog="Operator subcommands: `openengine-sidecar status|watch|probe --help`.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     engine = parser.add_argument_group("engine connection")
@@ -158,6 +174,20 @@ def build_parser() -> argparse.ArgumentParser:
         "DYN_SIDECAR_MODEL",
         "which of the engine's supported_models to serve; required when it serves several",
     )
+
+    add(
+        engine,
+        "--grpc-tls-ca",
+        "DYN_SIDECAR_GRPC_TLS_CA",
+        "CA bundle to verify the engine's certificate; enables TLS (https:// and grpcs:// endpoints need it)",
+    )
+    add(
+        engine,
+        "--grpc-tls-cert",
+        "DYN_SIDECAR_GRPC_TLS_CERT",
+        "client certificate for mutual TLS (with --grpc-tls-key)",
+    )
+    add(engine, "--grpc-tls-key", "DYN_SIDECAR_GRPC_TLS_KEY", "client private key for mutual TLS")
 
     model = parser.add_argument_group("model registration")
     add(
@@ -251,7 +281,98 @@ def build_parser() -> argparse.ArgumentParser:
         default=120.0,
         type=_positive(float),
     )
+    add(
+        lifecycle,
+        "--health-poll-interval-secs",
+        "DYN_SIDECAR_HEALTH_POLL_INTERVAL_SECS",
+        "how often Control.Health is polled while serving",
+        default=2.0,
+        type=_positive(float),
+    )
+    add(
+        lifecycle,
+        "--health-timeout-secs",
+        "DYN_SIDECAR_HEALTH_TIMEOUT_SECS",
+        "deadline of one Control.Health poll",
+        default=5.0,
+        type=_positive(float),
+    )
+    add(
+        lifecycle,
+        "--health-failure-threshold",
+        "DYN_SIDECAR_HEALTH_FAILURE_THRESHOLD",
+        "consecutive bad health polls before the worker degrades (not READY) or reconnects (engine unreachable)",
+        default=3,
+        type=_positive(int),
+    )
+    lifecycle.add_argument(
+        "--exit-on-engine-loss",
+        action=argparse.BooleanOptionalAction,
+        default=_env("DYN_SIDECAR_EXIT_ON_ENGINE_LOSS") in ("1", "true", "yes"),
+        help="exit (status 1) when the engine is lost instead of reconnecting, for supervisors that restart the pair "
+        "[env DYN_SIDECAR_EXIT_ON_ENGINE_LOSS]",
+    )
+    add(
+        lifecycle,
+        "--reconnect-backoff-max-secs",
+        "DYN_SIDECAR_RECONNECT_BACKOFF_MAX_SECS",
+        "cap of the exponential backoff between reconnection attempts",
+        default=30.0,
+        type=_positive(float),
+    )
+    add(
+        lifecycle,
+        "--registration-check-interval-secs",
+        "DYN_SIDECAR_REGISTRATION_CHECK_INTERVAL_SECS",
+        "how often the worker checks that its discovery entry still exists (and restores it)",
+        default=5.0,
+        type=_positive(float),
+    )
     add(lifecycle, "--log-level", "DYN_LOG", "log level", default="info", choices=("debug", "info", "warning", "error"))
+
+    routing = parser.add_argument_group("routing signals (load and KV cache events for Dynamo's router)")
+    add(
+        routing,
+        "--kv-events",
+        "DYN_SIDECAR_KV_EVENTS",
+        "auto: forward the engine's KV cache events when it advertises them and register for KV-aware routing; "
+        "off: never (load only)",
+        default="auto",
+        choices=("auto", "off"),
+    )
+    add(
+        routing,
+        "--load-poll-interval-secs",
+        "DYN_SIDECAR_LOAD_POLL_INTERVAL_SECS",
+        "how often GetLoad is polled for the per-rank KV usage published to the router",
+        default=1.0,
+        type=_positive(float),
+    )
+    add(
+        routing,
+        "--load-max-age-secs",
+        "DYN_SIDECAR_LOAD_MAX_AGE_SECS",
+        "a GetLoad snapshot stamped longer ago than this is not published",
+        default=5.0,
+        type=_positive(float),
+    )
+
+    ops = parser.add_argument_group("operator surface (metrics are on Dynamo's system port, DYN_SYSTEM_PORT)")
+    add(
+        ops,
+        "--log-format",
+        "DYN_SIDECAR_LOG_FORMAT",
+        "text or json; one line per event, each with the request id and the worker state",
+        default="text",
+        choices=("text", "json"),
+    )
+    add(ops, "--ops-host", "DYN_SIDECAR_OPS_HOST", "address of the live state page and feed", default="127.0.0.1")
+    add(
+        ops,
+        "--ops-port",
+        "DYN_SIDECAR_OPS_PORT",
+        "port of the live state page (/) and websocket feed (/ws); unset: off, 0: the OS picks (logged)",
+    )
     return parser
 
 
@@ -295,6 +416,29 @@ def _number(ns: argparse.Namespace, name: str, flag: str, kind: Callable[[str], 
     return value
 
 
+def _tls_paths(ns: argparse.Namespace) -> tuple[Path | None, Path | None, Path | None]:
+    paths: list[Path | None] = []
+    for name, flag in (
+        ("grpc_tls_ca", "--grpc-tls-ca"),
+        ("grpc_tls_cert", "--grpc-tls-cert"),
+        ("grpc_tls_key", "--grpc-tls-key"),
+    ):
+        raw = getattr(ns, name)
+        if raw is None:
+            paths.append(None)
+            continue
+        path = Path(raw)
+        if not path.is_file():
+            raise ConfigError(f"{flag}: no such file: {raw}")
+        paths.append(path.resolve())
+    ca, cert, key = paths
+    if (cert is None) != (key is None):
+        raise ConfigError("--grpc-tls-cert and --grpc-tls-key go together (mutual TLS)")
+    if cert is not None and ca is None:
+        raise ConfigError("--grpc-tls-cert needs --grpc-tls-ca: mutual TLS verifies the engine too")
+    return ca, cert, key
+
+
 def _validate(ns: argparse.Namespace) -> SidecarConfig:
     if not ns.grpc_endpoint:
         raise ConfigError("--grpc-endpoint is required (or DYN_SIDECAR_GRPC_ENDPOINT)")
@@ -305,11 +449,12 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         raise ConfigError(f"--model-path: not a directory: {ns.model_path}")
     if not (model_path / "tokenizer.json").is_file() and not (model_path / "tokenizer_config.json").is_file():
         raise ConfigError(f"--model-path: no tokenizer.json or tokenizer_config.json in {ns.model_path}")
+    tls = _tls_paths(ns)
     # Endpoint syntax is checked by the engine client's parser so both share one rule set.
     from sidecar.engine import EndpointError, parse_endpoint
 
     try:
-        parse_endpoint(ns.grpc_endpoint)
+        parse_endpoint(ns.grpc_endpoint, tls=tls[0] is not None)
     except EndpointError as exc:
         raise ConfigError(f"--grpc-endpoint: {exc}") from None
     context_length = None if ns.context_length is None else int(_number(ns, "context_length", "--context-length", int))
@@ -346,12 +491,46 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         request_inactivity_timeout_s=_number(
             ns, "request_inactivity_timeout_secs", "--request-inactivity-timeout-secs", float
         ),
+        health_poll_interval_s=_number(ns, "health_poll_interval_secs", "--health-poll-interval-secs", float),
+        health_timeout_s=_number(ns, "health_timeout_secs", "--health-timeout-secs", float),
+        health_failure_threshold=int(_number(ns, "health_failure_threshold", "--health-failure-threshold", int)),
+        exit_on_engine_loss=bool(ns.exit_on_engine_loss),
+        reconnect_backoff_max_s=_number(ns, "reconnect_backoff_max_secs", "--reconnect-backoff-max-secs", float),
+        registration_check_interval_s=_number(
+            ns, "registration_check_interval_secs", "--registration-check-interval-secs", float
+        ),
+        grpc_tls_ca=tls[0],
+        grpc_tls_cert=tls[1],
+        grpc_tls_key=tls[2],
         log_level=ns.log_level,
+        log_format=ns.log_format,
+        ops_host=ns.ops_host,
+        ops_port=_ops_port(ns.ops_port),
+        kv_events=ns.kv_events,
+        load_poll_interval_s=_number(ns, "load_poll_interval_secs", "--load-poll-interval-secs", float),
+        load_max_age_s=_number(ns, "load_max_age_secs", "--load-max-age-secs", float),
     )
 
 
+def _ops_port(raw: object) -> int | None:
+    if raw is None:
+        return None
+    try:
+        port = int(str(raw))
+    except ValueError:
+        raise ConfigError(f"--ops-port: not a number: {raw!r}") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--ops-port: must be in 0..65535, got {raw!r}")
+    return port
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of ``openengine-sidecar``."""
+    """Entry point of ``openengine-sidecar`` (``status``, ``watch`` and ``probe`` are operator subcommands)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] in ("status", "watch", "probe"):
+        from sidecar.ops.cli import main as ops_main
+
+        sys.exit(ops_main(args))
     config = parse_config(argv)
     from sidecar.worker import run_worker
 

@@ -132,6 +132,18 @@ ENGINE_ERROR_KIND: Final[dict[EngineErrorCode, DynamoErrorKind]] = {
 
 ROLE_MISMATCH_HINT: Final = "check --disaggregation-mode against the engine's role"
 
+# Hints appended to an EngineError's message: what an operator should look at (the codes TensorRT-LLM's Rust sidecar
+# annotates too, dynamo-sidecar.md §12.2).
+ENGINE_ERROR_HINTS: Final[dict[EngineErrorCode, str]] = {
+    EngineErrorCode.ROLE_MISMATCH: ROLE_MISMATCH_HINT,
+    EngineErrorCode.KV_SESSION_NOT_FOUND: (
+        "the prefill engine no longer holds this KV session: it expired, was claimed already, or never existed"
+    ),
+    EngineErrorCode.KV_TRANSFER_FAILED: (
+        "check that the prefill and decode engines' KV cache transceivers use the same backend and reach each other"
+    ),
+}
+
 
 class SidecarError(Exception):
     """Base of every failure that reaches a client; ``kind`` decides the Dynamo exception."""
@@ -168,8 +180,9 @@ class EngineFailure(SidecarError):
             # Enums only grow by appending: an unknown code reads as UNSPECIFIED, never as an error of ours.
             known = EngineErrorCode.UNSPECIFIED
         text = f"OpenEngine [{known.name}]: {message}" if message else f"OpenEngine [{known.name}]"
-        if known is EngineErrorCode.ROLE_MISMATCH:
-            text = f"{text} ({ROLE_MISMATCH_HINT})"
+        hint = ENGINE_ERROR_HINTS.get(known)
+        if hint is not None:
+            text = f"{text} ({hint})"
         super().__init__(text)
         self.code = known
         self.retryable = retryable
@@ -223,6 +236,16 @@ class EngineGone(SidecarError):
     """The engine went away under an in-flight request (connection lost, engine restarting)."""
 
     kind = DynamoErrorKind.DISCONNECTED
+
+
+class HandoffMissing(SidecarError):
+    """A prefill leg ended without handing its KV cache off (no ``PrefillReady``), and not by a legitimate stop.
+
+    Not migrated: the usual cause is the engine's configuration (TensorRT-LLM without ``cache_transceiver_config``
+    runs a context-only request as a plain one-token generation), which every worker of the deployment shares.
+    """
+
+    kind = DynamoErrorKind.UNKNOWN
 
 
 class WorkerDraining(SidecarError):

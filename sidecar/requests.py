@@ -10,11 +10,22 @@ worker, inside the worker's request nursery. The shape that guarantees exactly o
   request instead of slipping out after a success;
 * a stop from the frontend cancels the task from outside (``cancel``); the worker cancels a request's own scope with
   a reason (drain deadline, engine lost), which becomes the matching migratable error.
+
+Disaggregated legs (``docs/disaggregation.md``): the worker's role decides the leg (``convert`` maps it). A prefill
+leg's ``PrefillReady`` moves the request to ``prefill_ready`` and its handoff chunk is the final one. A decode leg
+carrying a handoff (``submit_decode``) **defers a client stop until the engine's first response** -- the KV transfer
+has landed then, so the prefill engine's blocks are not stranded: the stream is opened and its first batch awaited
+under a shield, while a watcher task outside the shield turns the client's stop into ``defer`` (``cancel_deferred``);
+the stop is delivered right after the first batch (``first_token`` → ``cancelled``, then ``Abort``). The worker's own
+cancellation (drain deadline, engine lost) reaches the shielded wait through the request's own scope and is never
+deferred; the inactivity timeout still bounds the wait.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -22,22 +33,25 @@ import trio
 
 from openengine.v1 import generation_pb2
 from sidecar.convert import HEALTH_CANARY_PAYLOAD, build_generate_request
+from sidecar.convert.request import role_of_engine
 from sidecar.errors import (
     EngineFailure,
     EngineGone,
     EngineRpcError,
+    GrpcCode,
     ProtocolViolation,
     RequestRejected,
     SidecarError,
     WorkerDraining,
 )
-from sidecar.ops import metrics
+from sidecar.ops import logs, metrics
 from statemachines import RequestLifecycle
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-    from sidecar.convert import Capabilities
+    from sidecar.convert import Capabilities, GenerateCall
+    from sidecar.convert.request import Role
     from sidecar.dynamo import RequestContext
     from sidecar.engine import EngineClient
 
@@ -70,6 +84,14 @@ class ServingContext:
     context_length: int
     abort_timeout_s: float
     inactivity_timeout_s: float
+    #: The worker's role as resolved at start-up (``Discovery.role``); None = the engine's reported role
+    #: (``caps.engine_role``; aggregated when it reports none, as TensorRT-LLM does).
+    role: Role | None = None
+
+    @property
+    def worker_role(self) -> Role:
+        """The role that decides each request's leg: aggregated, prefill or decode."""
+        return self.role if self.role is not None else role_of_engine(self.caps.engine_role)
 
 
 @dataclass(slots=True, eq=False)
@@ -118,6 +140,9 @@ class RequestServer:
         self._active: dict[str, ActiveRequest] = {}
         self._idle = trio.Event()
         self._idle.set()
+        #: Set when a request saw the engine unreachable, so the worker's health watch looks at once instead of at
+        #: its next poll; the watch replaces it after each look.
+        self.engine_trouble = trio.Event()
 
     @property
     def serving(self) -> ServingContext | None:
@@ -155,6 +180,7 @@ class RequestServer:
             yield [await _answer_canary(serving)]
             return
         lifecycle = RequestLifecycle(ctx.request_id)
+        logs.REQUEST_ID.set(ctx.request_id)  # every log line of this request's task names it
         metrics.REQUESTS_RECEIVED.inc()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s: %s", ctx.request_id, request)
@@ -167,6 +193,7 @@ class RequestServer:
                 caps=serving.caps,
                 context_length=serving.context_length,
                 trace=trace,
+                role=serving.worker_role,
             )
         except RequestRejected as exc:
             lifecycle.fire("reject", reason=str(exc))
@@ -184,32 +211,49 @@ class RequestServer:
         mapper = call.response_mapper()
         engine_holds_request = False
         outcome = "failed"
+        stats = metrics.RequestStats(len(request.get("token_ids") or ()))
         try:
-            lifecycle.fire("submit")
-            engine_holds_request = True
-            async with serving.client.generate(call.request, metadata=call.metadata) as batches:
-                stream = aiter(batches)
+            async with AsyncExitStack() as exits:
+                first: _Batch | None = None
+                have_first = False
+                engine_holds_request = True
+                if call.handoff:
+                    lifecycle.fire("submit_decode")
+                    stream, first = await _open_deferring_stop(serving, call, active, exits)
+                    have_first = True
+                else:
+                    lifecycle.fire("submit")
+                    batches = await exits.enter_async_context(
+                        serving.client.generate(call.request, metadata=call.metadata)
+                    )
+                    stream = aiter(batches)
                 final: list[dict[str, Any]] = []
                 while True:
                     # After the terminal event the engine closes the stream at once; wait briefly for that close so
                     # an event after the terminal still fails the request instead of following a success.
                     timeout_s = _EOF_GRACE_S if mapper.done else serving.inactivity_timeout_s
-                    try:
-                        batch = await active.next_batch(stream, timeout_s)
-                    except HungEngine:
-                        if not mapper.done:
-                            raise
-                        log.warning("request %s: engine kept the stream open after its terminal", ctx.request_id)
-                        break
+                    if have_first:
+                        batch, have_first = first, False
+                    else:
+                        try:
+                            batch = await active.next_batch(stream, timeout_s)
+                        except HungEngine:
+                            if not mapper.done:
+                                raise
+                            log.warning("request %s: engine kept the stream open after its terminal", ctx.request_id)
+                            break
                     if batch is None:
                         break
                     chunks = mapper.map(batch)
                     if mapper.done:
+                        if mapper.handed_off:
+                            lifecycle.fire("handoff")
                         final.extend(chunks)
                         continue
-                    if lifecycle.state == "submitted":
+                    if lifecycle.state in ("submitted", "decoding"):
                         lifecycle.fire("first_token")
                     if chunks:
+                        stats.chunks(chunks)
                         yield chunks
             # The stream ended on its own: the engine no longer holds the request.
             engine_holds_request = False
@@ -217,10 +261,18 @@ class RequestServer:
             lifecycle.fire("finish")
             outcome = "finished"
             if final:
+                stats.chunks(final)
                 yield final
         except (trio.Cancelled, GeneratorExit):
-            # The client (or Dynamo) stopped the request.
-            if lifecycle.fire("cancel", reason="stopped by the client"):
+            # The client (or Dynamo) stopped the request (a decode leg's deferred stop is already `cancelled`).
+            if lifecycle.state == "prefill_ready":
+                log.warning(
+                    "request %s: stopped before its prefill handoff was delivered; the prefill engine holds that KV "
+                    "session until it expires",
+                    ctx.request_id,
+                )
+            lifecycle.fire("cancel", reason="stopped by the client")
+            if lifecycle.state == "cancelled":
                 outcome = "cancelled"
             raise
         except ProtocolViolation as exc:
@@ -232,6 +284,8 @@ class RequestServer:
             # An engine that broke off the stream, refused the request or ended it with a terminal error no longer
             # holds it: nothing to abort.
             engine_holds_request = False
+            if isinstance(exc, EngineRpcError) and exc.code is GrpcCode.UNAVAILABLE:
+                self.engine_trouble.set()
             lifecycle.fire("fail", reason=str(exc))
             log.warning("request %s: %s", ctx.request_id, exc)
             raise
@@ -252,11 +306,59 @@ class RequestServer:
             # Every path reaches a terminal state; a cancel after a terminal is a documented no-op.
             lifecycle.fire("cancel", reason="request task ended")
             metrics.REQUESTS_ENDED.labels(outcome=outcome).inc()
+            stats.end(code=metrics.rpc_code(sys.exc_info()[1]))
             if engine_holds_request:
                 await _abort(serving, ctx.request_id)
             del self._active[ctx.request_id]
             if not self._active:
                 self._idle.set()
+
+
+async def _open_deferring_stop(
+    serving: ServingContext, call: GenerateCall, active: ActiveRequest, exits: AsyncExitStack
+) -> tuple[AsyncIterator[_Batch], _Batch | None]:
+    """Open a decode leg's stream and wait for its first batch (None: the stream ended) with a client stop deferred.
+
+    The open and the wait run shielded from the caller's cancellation; a watcher task outside the shield records a
+    client stop as ``defer``. After the first batch a deferred stop becomes ``first_token`` → ``cancelled`` and is
+    delivered by the checkpoint at the end. The worker's own cancellation and the inactivity timeout act on
+    ``active``'s scope inside the shield, so they are never deferred.
+    """
+    lifecycle = active.lifecycle
+    phase_over = False
+
+    async def watch_client() -> None:
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            if not phase_over and lifecycle.may_fire("defer"):
+                lifecycle.fire(
+                    "defer", reason="client stopped while the KV cache was in flight; deferred until the first token"
+                )
+                log.info("request %s: client stop deferred until the KV transfer lands", lifecycle.request_id)
+            # Not re-raised: the caller's cancellation stays in force and is delivered at the next checkpoint outside
+            # the shield (re-raising would surface it wrapped in an ExceptionGroup at the nursery's exit).
+
+    opened: tuple[AsyncIterator[_Batch], _Batch | None] | None = None
+    error: BaseException | None = None
+    async with trio.open_nursery() as watcher:
+        watcher.start_soon(watch_client)
+        with trio.CancelScope(shield=True):
+            try:
+                batches = await exits.enter_async_context(serving.client.generate(call.request, metadata=call.metadata))
+                stream = aiter(batches)
+                opened = (stream, await active.next_batch(stream, serving.inactivity_timeout_s))
+            except BaseException as exc:  # re-raised below, outside the nursery (no ExceptionGroup wrapping)
+                error = exc
+        phase_over = True
+        if error is None and lifecycle.state == "cancel_deferred":
+            lifecycle.fire("first_token", reason="KV transfer landed: the deferred client stop takes effect")
+        watcher.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    await trio.lowlevel.checkpoint()  # delivers a deferred client stop
+    assert opened is not None
+    return opened
 
 
 async def _abort(serving: ServingContext, request_id: str) -> None:
@@ -268,10 +370,13 @@ async def _abort(serving: ServingContext, request_id: str) -> None:
         try:
             await serving.client.abort(request_id, timeout_s=serving.abort_timeout_s)
             metrics.ABORTS.labels(result="sent").inc()
+            code = "OK"
         except EngineRpcError as exc:
             metrics.ABORTS.labels(result="failed").inc()
             log.warning("abort of %s failed: %s", request_id, exc)
+            code = exc.code.name
         metrics.ABORT_LATENCY.observe(trio.current_time() - started)
+        metrics.observe_rpc("Abort", code, trio.current_time() - started)
     if bound.cancelled_caught:
         metrics.ABORTS.labels(result="timeout").inc()
         log.warning("abort of %s did not complete within %gs", request_id, serving.abort_timeout_s)

@@ -1,8 +1,18 @@
 """Start-up decisions: which model, which role, which context window, what to register — and when to refuse.
 
-Pure decisions (:func:`select_model`, :func:`resolve_role`, :func:`resolve_context_length`, :func:`registration_for`)
-are separate from the two trio steps that talk to the engine (:func:`discover`, :func:`wait_ready`) so each refusal is
-tested by a table. A refusal is one :class:`StartupRefused` line naming what to change.
+Pure decisions (:func:`select_model`, :func:`resolve_role`, :func:`check_role_connector`,
+:func:`resolve_context_length`, :func:`registration_for`) are separate from the two trio steps that talk to the engine
+(:func:`discover`, :func:`wait_ready`) so each refusal is tested by a table. A refusal is one :class:`StartupRefused`
+line naming what to change.
+
+Roles (``docs/disaggregation.md``): the engine's ``ServerInfo.engine_role`` wins; an engine that reports none
+(TensorRT-LLM: UNSPECIFIED, it takes the phase per request) gets ``--disaggregation-mode``. A prefill or decode worker
+needs the engine's KV connector: a connector reported disabled, without a transfer backend, unable to serve remote
+prefill (prefill role) or listing an endpoint protocol it does not support is refused; a connector not reported at all
+(TensorRT-LLM's baseline omits it when the transceiver backend is left unset) and one that cannot abort KV sessions
+are warnings, compensated per request (handoffs are checked as far as the engine reported; decode cancellation is
+deferred until the first token). A prefill worker registers ``ModelType.Prefill`` under the ``prefill`` component
+with ``needs=[[decode]]``; a decode worker registers chat/completions with ``needs=[[prefill]]``.
 """
 
 from __future__ import annotations
@@ -98,6 +108,46 @@ def resolve_context_length(configured: int | None, engine: int | None) -> int:
     return engine
 
 
+def check_role_connector(role: Role, caps: Capabilities) -> list[str]:
+    """Refuse a prefill/decode role the engine's KV connector cannot serve; return warnings for what it cannot tell."""
+    if role == "aggregated":
+        return []
+    connector = caps.kv_connector
+    if connector is None:
+        return [
+            f"role {role}: the engine reports no KV connector (TensorRT-LLM omits it when cache_transceiver_config "
+            "has no backend); handoffs cannot be checked against its transfer backend"
+        ]
+    if connector.enabled is False:
+        raise StartupRefused(
+            f"role {role}: the engine's KV connector is disabled, and disaggregated serving moves the KV cache through "
+            "it (TensorRT-LLM: configure cache_transceiver_config); run with --disaggregation-mode agg otherwise"
+        )
+    if not connector.transfer_backend.strip():
+        raise StartupRefused(f"role {role}: the engine's KV connector names no transfer backend")
+    if role == "prefill" and connector.supports_remote_prefill is False:
+        raise StartupRefused("role prefill: the engine's KV connector cannot serve remote prefill")
+    if connector.supported_protocols:
+        supported = {p.casefold() for p in connector.supported_protocols}
+        listed = ", ".join(connector.supported_protocols)
+        for endpoint in connector.local_endpoints:
+            if endpoint.protocol.casefold() not in supported:
+                raise StartupRefused(
+                    f"role {role}: the engine's KV endpoint {endpoint.host}:{endpoint.port} uses protocol "
+                    f"{endpoint.protocol!r}, which its connector does not list ({listed})"
+                )
+    warnings: list[str] = []
+    if connector.enabled is None:
+        warnings.append(f"role {role}: the engine does not say whether its KV connector is enabled; assuming it is")
+    if connector.supports_abort_cleanup is not True:
+        warnings.append(
+            f"role {role}: the engine cannot abort KV sessions (supports_abort_cleanup is not true): decode "
+            "cancellation is deferred until the first token, and a handoff no decode claims stays on the prefill "
+            "engine until the engine releases it"
+        )
+    return warnings
+
+
 async def discover(client: EngineClient, config: SidecarConfig) -> Discovery:
     """GetServerInfo + GetModelInfo, checked against this client and the configuration."""
     server = await client.get_server_info()
@@ -113,8 +163,8 @@ async def discover(client: EngineClient, config: SidecarConfig) -> Discovery:
     model_info = await client.get_model_info(model)
     caps = Capabilities.from_discovery(server, model_info)
     role = resolve_role(bp_enum(server.engine_role), config.disaggregation_mode)
-    if role != "aggregated":
-        raise StartupRefused(f"role {role}: disaggregated serving is not supported by this build yet; run aggregated")
+    for warning in check_role_connector(role, caps):
+        log.warning("%s", warning)
     if caps.supports_token_ids_input is False:
         raise StartupRefused("the engine does not accept token-id input, which this worker sends")
     context_length = resolve_context_length(config.context_length, caps.max_context_length)
@@ -173,12 +223,18 @@ def registration_for(discovery: Discovery, config: SidecarConfig) -> Registratio
     caps = discovery.caps
     served = config.served_model_name or caps.served_model_name or discovery.model or config.model_path.name
     aliases = tuple(name for name in caps.model_names if name != served)
+    needs: tuple[tuple[Role, ...], ...] = ()
+    if discovery.role == "prefill":
+        needs = (("decode",),)
+    elif discovery.role == "decode":
+        needs = (("prefill",),)
     return Registration(
         model_path=str(config.model_path),
         served_model_name=served,
         model_input="tokens",
         endpoint_types=tuple(t for t in config.endpoint_types if t in ("chat", "completions")),  # type: ignore[misc]
         worker_type=discovery.role,
+        needs=needs,
         context_length=discovery.context_length,
         kv_block_size=caps.kv_block_size,
         total_kv_blocks=caps.total_kv_blocks,

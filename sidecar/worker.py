@@ -15,30 +15,37 @@ runtime down and exit 0. A second signal skips the wait. Every step is a worker-
 from __future__ import annotations
 
 import logging
+import random
 import signal
-import sys
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Final
 
 import trio
 
+from openengine_bp.openengine.v1 import HealthState
+from sidecar.convert.enums import bp_enum
 from sidecar.dynamo import DynamoSettings, open_dynamo
 from sidecar.edge import open_edge
 from sidecar.engine import EngineClientConfig, SchemaIncompatible, open_engine_client, parse_endpoint
-from sidecar.errors import EngineRpcError, WorkerDraining
-from sidecar.ops import metrics
+from sidecar.errors import EngineGone, EngineRpcError, GrpcCode, WorkerDraining
+from sidecar.ops import logs, metrics
+from sidecar.ops.server import serve_live_state
 from sidecar.requests import CANARY_PAYLOAD, RequestServer, ServingContext
-from sidecar.startup import StartupRefused, check_unchanged, discover, registration_for, wait_ready
+from sidecar.startup import Discovery, StartupRefused, check_unchanged, discover, registration_for, wait_ready
 from statemachines import WORKER, WorkerLifecycle
 
 if TYPE_CHECKING:
     from sidecar.cli import SidecarConfig
     from sidecar.dynamo import DynamoWorker
+    from sidecar.engine import EngineClient
     from statemachines import WorkerEvent, WorkerState
 
 log: Final = logging.getLogger("sidecar.worker")
 
 # After the drain deadline has cancelled the stragglers, how long their aborts may take before teardown.
 _STRAGGLER_GRACE_S: Final = 5.0
+# Health RPC failures that mean "the engine is not there" (restart, crash) rather than "the engine is unwell".
+_ENGINE_GONE_CODES: Final = frozenset({GrpcCode.UNAVAILABLE, GrpcCode.DEADLINE_EXCEEDED})
 
 
 def _observe_worker(model: WorkerLifecycle, event: WorkerEvent, source: WorkerState, dest: WorkerState) -> None:
@@ -50,8 +57,11 @@ def _observe_worker(model: WorkerLifecycle, event: WorkerEvent, source: WorkerSt
 
 def _client_config(config: SidecarConfig) -> EngineClientConfig:
     return EngineClientConfig(
-        endpoint=parse_endpoint(config.grpc_endpoint),
+        endpoint=parse_endpoint(config.grpc_endpoint, tls=config.grpc_tls_ca is not None),
         connections=config.grpc_connections,
+        tls_ca=config.grpc_tls_ca,
+        tls_cert=config.grpc_tls_cert,
+        tls_key=config.grpc_tls_key,
         rpc_timeout_s=config.grpc_rpc_timeout_s,
         connect_attempt_timeout_s=config.grpc_connect_attempt_timeout_s,
         retry_interval_s=config.grpc_retry_interval_s,
@@ -80,6 +90,9 @@ class Worker:
         self.requests = RequestServer()
         self._stop = trio.Event()
         self._force = trio.Event()
+        # Set when the worker must exit 1 (engine lost with --exit-on-engine-loss, a different engine came back).
+        self._fatal = trio.Event()
+        self._discovery: Discovery | None = None
 
     async def watch_signals(self) -> None:
         """First SIGTERM/SIGINT drains; a second one skips waiting for in-flight requests."""
@@ -97,6 +110,9 @@ class Worker:
         """Run until drained (exit status 0) or refused/failed (1)."""
         async with trio.open_nursery() as top:
             top.start_soon(self.watch_signals)
+            metrics.mark_worker_state(self.lifecycle.state)
+            if self.config.ops_port is not None:
+                await top.start(serve_live_state, self.lifecycle, self.config.ops_host, self.config.ops_port)
             try:
                 status = await self._run()
             finally:
@@ -117,12 +133,7 @@ class Worker:
                         life.fire("connect", reason=config.grpc_endpoint)
                         await client.wait_connected(deadline)
                         life.fire("connected")
-                        first = await discover(client, config)
-                        life.fire("discovered", reason=f"{first.caps.engine_name}, model {first.model!r}")
-                        await wait_ready(client, deadline=deadline, retry_interval_s=config.grpc_retry_interval_s)
-                        again = await discover(client, config)
-                        check_unchanged(first, again)
-                        life.fire("ready")
+                        first = await self._discover_until_ready(client, deadline)
                     except (StartupRefused, SchemaIncompatible, EngineRpcError) as exc:
                         life.fire("fail", reason=str(exc))
                         log.error("refusing to start: %s", exc)
@@ -133,35 +144,178 @@ class Worker:
                 life.fire("stop", reason="shutdown requested during start-up")
                 return 0
 
+            self._discovery = first
             registration = registration_for(first, config)
-            serving = ServingContext(
-                client=client,
-                caps=first.caps,
-                model=first.model,
-                context_length=first.context_length,
-                abort_timeout_s=config.abort_timeout_s,
-                inactivity_timeout_s=config.request_inactivity_timeout_s,
-            )
             settings = _dynamo_settings(config, first.role)
             async with open_dynamo(edge, settings) as dynamo, trio.open_nursery() as request_nursery:
-                self.requests.attach(serving)
+                await dynamo.export_metrics(metrics.exposition, metrics.typed_families)
+                self.requests.attach(self._serving(client, first))
                 await dynamo.register(registration)
                 await dynamo.serve(request_nursery, self.requests.handle, health_check_payload=CANARY_PAYLOAD)
                 life.fire("registered", reason=f"model {registration.served_model_name!r}")
-                await self._stop.wait()
-                await self._drain(dynamo)
-                request_nursery.cancel_scope.cancel(reason="worker drained")
-            life.fire("drained")
-        return 0
+                async with trio.open_nursery() as watchers:
+                    watchers.start_soon(self._watch_engine, client, dynamo)
+                    watchers.start_soon(self._watch_registration, dynamo)
+                    await _first_of(self._stop, self._fatal)
+                    watchers.cancel_scope.cancel(reason="worker stopping")
+                if self._fatal.is_set():
+                    await self._fail_fast(dynamo)
+                    request_nursery.cancel_scope.cancel(reason="worker failed")
+                else:
+                    quiescent = await self._drain(dynamo, client)
+                    request_nursery.cancel_scope.cancel(reason="worker drained")
+            if self._fatal.is_set():
+                return 1
+            life.fire("drained", reason=None if quiescent else "engine quiescence not confirmed")
+        return 0 if quiescent else 1
 
-    async def _drain(self, dynamo: DynamoWorker) -> None:
+    def _serving(self, client: EngineClient, discovery: Discovery) -> ServingContext:
+        return ServingContext(
+            client=client,
+            caps=discovery.caps,
+            model=discovery.model,
+            context_length=discovery.context_length,
+            abort_timeout_s=self.config.abort_timeout_s,
+            inactivity_timeout_s=self.config.request_inactivity_timeout_s,
+        )
+
+    async def _discover_until_ready(self, client: EngineClient, deadline: float) -> Discovery:
+        """discovering → waiting_ready → registering: discover, wait for READY, rediscover and compare."""
+        life = self.lifecycle
+        config = self.config
+        first = await discover(client, config)
+        if self._discovery is not None:
+            # After an engine restart the engine must still be the one this worker registered.
+            check_unchanged(self._discovery, first)
+        life.fire("discovered", reason=f"{first.caps.engine_name}, model {first.model!r}")
+        await wait_ready(client, deadline=deadline, retry_interval_s=config.grpc_retry_interval_s)
+        again = await discover(client, config)
+        check_unchanged(first, again)
+        life.fire("ready")
+        return again
+
+    # ------------------------------------------------------------------ supervision
+
+    async def _watch_engine(self, client: EngineClient, dynamo: DynamoWorker) -> None:
+        """Poll Control.Health: not READY degrades the worker, an unreachable engine means reconnecting.
+
+        Dynamo's Rust sidecars exit here; this worker withdraws from routing and keeps its process, so an engine
+        restart or a slow spell costs the in-flight requests (which migrate) but not the worker.
+        """
+        config = self.config
+        failures = 0
+        while True:
+            with trio.move_on_after(config.health_poll_interval_s):
+                await self.requests.engine_trouble.wait()
+            self.requests.engine_trouble = trio.Event()
+            try:
+                response = await client.health(timeout_s=config.health_timeout_s)
+            except EngineRpcError as exc:
+                if exc.code not in _ENGINE_GONE_CODES:
+                    failures += 1
+                    await self._maybe_degrade(dynamo, failures, f"Health failed: {exc}")
+                    continue
+                failures += 1
+                if failures < config.health_failure_threshold:
+                    continue
+                failures = 0
+                await self._engine_lost(client, dynamo, str(exc))
+                continue
+            state = bp_enum(response.state)
+            if state is HealthState.READY:
+                failures = 0
+                if self.lifecycle.state == "degraded":
+                    await self._recover(client, dynamo)
+                continue
+            failures += 1
+            await self._maybe_degrade(dynamo, failures, f"engine health {state.name}")
+
+    async def _maybe_degrade(self, dynamo: DynamoWorker, failures: int, reason: str) -> None:
+        if failures < self.config.health_failure_threshold or self.lifecycle.state != "serving":
+            return
+        self.lifecycle.fire("degrade", reason=reason)
+        # New requests go elsewhere; in-flight ones carry on against the engine as long as it serves them.
+        self.requests.attach(None)
+        await dynamo.withdraw()
+        metrics.HEALTH_TRANSITIONS.labels(change="degraded").inc()
+
+    async def _recover(self, client: EngineClient, dynamo: DynamoWorker) -> None:
+        assert self._discovery is not None
+        self.lifecycle.fire("recover", reason="engine health READY")
+        self.requests.attach(self._serving(client, self._discovery))
+        await dynamo.restore()
+        self.lifecycle.fire("registered", reason="recovered")
+        metrics.HEALTH_TRANSITIONS.labels(change="recovered").inc()
+
+    async def _engine_lost(self, client: EngineClient, dynamo: DynamoWorker, reason: str) -> None:
+        """reconnecting: withdraw, fail in-flight requests migratably, reconnect with backoff, rediscover."""
+        life = self.lifecycle
+        config = self.config
+        if config.exit_on_engine_loss:
+            life.fire("fail", reason=f"engine lost ({reason}) and --exit-on-engine-loss is set")
+            self._fatal.set()
+            await trio.sleep_forever()
+        life.fire("engine_lost", reason=reason)
+        metrics.RECONNECTS.labels(stage="lost").inc()
+        self.requests.attach(None)
+        await _best_effort("withdrawal from routing", dynamo.withdraw(), config.grpc_rpc_timeout_s)
+        # Streams on a dropped connection fail by themselves; this covers an engine that hangs instead.
+        failed = self.requests.cancel_all(EngineGone(f"engine lost ({reason}); retry on another worker"))
+        if failed:
+            log.warning("engine lost: %d in-flight request(s) failed over", failed)
+        backoff = config.grpc_retry_interval_s
+        while True:
+            try:
+                await client.get_server_info(timeout_s=config.grpc_connect_attempt_timeout_s)
+                break
+            except EngineRpcError as exc:
+                log.info("engine not back yet (%s); retrying in %.1fs", exc, backoff)
+            # Exponential backoff with jitter, capped: many workers must not hammer a restarting engine in step.
+            await trio.sleep(backoff * random.uniform(0.8, 1.2))
+            backoff = min(backoff * 2, config.reconnect_backoff_max_s)
+        life.fire("reconnected")
+        try:
+            deadline = trio.current_time() + config.grpc_startup_deadline_s
+            self._discovery = await self._discover_until_ready(client, deadline)
+        except (StartupRefused, SchemaIncompatible) as exc:
+            life.fire("fail", reason=f"the restarted engine is not the one registered: {exc}")
+            self._fatal.set()
+            await trio.sleep_forever()
+        self.requests.attach(self._serving(client, self._discovery))
+        await dynamo.restore()
+        await dynamo.register(registration_for(self._discovery, config))
+        life.fire("registered", reason="engine back")
+        metrics.RECONNECTS.labels(stage="recovered").inc()
+
+    async def _watch_registration(self, dynamo: DynamoWorker) -> None:
+        """File discovery never restores an expired or deleted entry by itself: put ours back when it goes."""
+        while True:
+            await trio.sleep(self.config.registration_check_interval_s)
+            if self.lifecycle.state != "serving":
+                continue
+            if not await dynamo.registration_present():
+                log.warning("our discovery registration disappeared; publishing it again")
+                metrics.REGISTRATION_RESTORES.inc()
+                await dynamo.republish()
+
+    async def _fail_fast(self, dynamo: DynamoWorker) -> None:
+        """--exit-on-engine-loss or a refused engine: leave discovery, fail what is in flight, exit 1."""
+        self.requests.attach(None)
+        self.requests.cancel_all(EngineGone("engine lost: retry on another worker"))
+        await _best_effort("deregistration", dynamo.unregister(), self.config.grpc_rpc_timeout_s, shield=True)
+        with trio.move_on_after(_STRAGGLER_GRACE_S):
+            await self.requests.wait_idle()
+
+    # ------------------------------------------------------------------ drain
+
+    async def _drain(self, dynamo: DynamoWorker, client: EngineClient) -> bool:
+        """The hypercorn way: stop accepting, a deadline on in-flight requests, then confirm quiescence."""
         life = self.lifecycle
         config = self.config
         life.fire("drain", reason=f"{self.requests.in_flight} request(s) in flight")
         # Stop accepting first: a request that still arrives is sent elsewhere.
         self.requests.attach(None)
-        with trio.CancelScope(shield=True), trio.move_on_after(config.grpc_rpc_timeout_s):
-            await dynamo.unregister()
+        await _best_effort("deregistration", dynamo.unregister(), config.grpc_rpc_timeout_s, shield=True)
         log.info("deregistered; waiting up to %gs for %d request(s)", config.drain_timeout_s, self.requests.in_flight)
         with trio.move_on_after(config.drain_timeout_s):
             async with trio.open_nursery() as wait:
@@ -170,11 +324,54 @@ class Worker:
                 wait.cancel_scope.cancel()
         cancelled = self.requests.cancel_all(WorkerDraining("drain deadline: retry on another worker"))
         if cancelled:
-            log.warning("drain deadline: cancelled %d request(s)", cancelled)
+            log.warning("drain deadline: cancelled %d request(s); their engine requests are being aborted", cancelled)
         with trio.move_on_after(_STRAGGLER_GRACE_S):
             await self.requests.wait_idle()
-        with trio.move_on_after(config.grpc_rpc_timeout_s):
-            await dynamo.shutdown()
+        quiescent = await self._confirm_quiescence(client)
+        await _best_effort("runtime shutdown", dynamo.shutdown(), config.grpc_rpc_timeout_s)
+        return quiescent
+
+    async def _confirm_quiescence(self, client: EngineClient) -> bool:
+        """GetLoad must show nothing of ours left: running 0 (required), queued and KV sessions 0 when reported."""
+        deadline = trio.current_time() + self.config.abort_timeout_s + 1.0
+        last = "no answer"
+        while True:
+            try:
+                load = await client.get_load(timeout_s=self.config.abort_timeout_s)
+                figures = (load.running_requests, load.queued_requests, load.active_kv_sessions)
+                last = "running={}, queued={}, kv_sessions={}".format(*figures)
+                # A missing running count fails closed: an engine that cannot say it is idle is not idle.
+                if load.running_requests == 0 and not load.queued_requests and not load.active_kv_sessions:
+                    log.info("engine quiescent (%s)", last)
+                    return True
+            except EngineRpcError as exc:
+                last = str(exc)
+            if trio.current_time() >= deadline:
+                log.error("drain could not confirm engine quiescence: %s", last)
+                return False
+            await trio.sleep(0.1)
+
+
+async def _best_effort(what: str, step: Awaitable[None], timeout_s: float, *, shield: bool = False) -> None:
+    """A shutdown step that must not stop the ones after it: bounded, logged on failure, never raising."""
+    with trio.CancelScope(shield=shield), trio.move_on_after(timeout_s) as bound:
+        try:
+            await step
+        except Exception as exc:
+            log.warning("%s failed: %s", what, exc)
+    if bound.cancelled_caught:
+        log.warning("%s did not finish within %gs", what, timeout_s)
+
+
+async def _first_of(*events: trio.Event) -> None:
+    async with trio.open_nursery() as nursery:
+        for event in events:
+
+            async def wait(event: trio.Event = event) -> None:
+                await event.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(wait)
 
 
 async def _cancel_on(event: trio.Event, scope: trio.CancelScope) -> None:
@@ -184,14 +381,10 @@ async def _cancel_on(event: trio.Event, scope: trio.CancelScope) -> None:
 
 def run_worker(config: SidecarConfig) -> int:
     """Run the worker until it drains (0) or refuses/fails (1)."""
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    worker = Worker(config)
+    logs.configure_logging(config.log_level, "json" if config.log_format == "json" else "text", worker.lifecycle)
     # transitions logs every callback at INFO; the worker's own observer logs what an operator needs.
     logging.getLogger("transitions").setLevel(logging.WARNING)
     if _observe_worker not in WORKER.observers:
         WORKER.observers.append(_observe_worker)
-    worker = Worker(config)
     return trio.run(worker.run)

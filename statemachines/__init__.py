@@ -1,8 +1,8 @@
 """Lifecycle state machines: the tables are the single source of truth.
 
-One module per machine (``worker``, ``request``), each a set of tables (``STATES``, ``TRANSITIONS``, ``TERMINAL``,
-``NO_OPS``, ``STATE_DOCS``) built into one shared ``transitions.Machine`` per kind (see ``_base`` for the theory of
-operation).  Sans-IO: imports only ``transitions`` and the standard library.
+One module per machine (``worker``, ``request``, ``kv_subscription``), each a set of tables (``STATES``,
+``TRANSITIONS``, ``TERMINAL``, ``NO_OPS``, ``STATE_DOCS``) built into one shared ``transitions.Machine`` per kind (see
+``_base`` for the theory of operation).  Sans-IO: imports only ``transitions`` and the standard library.
 
     req = RequestLifecycle("req-1")
     req.fire("submit")
@@ -17,6 +17,11 @@ from ._base import Lifecycle as Lifecycle
 from ._base import MachineKind as MachineKind
 from ._base import StateDoc as StateDoc
 from ._base import StateMachineError as StateMachineError
+from .kv_subscription import KV_SUBSCRIPTION as KV_SUBSCRIPTION
+from .kv_subscription import KvSubscriptionEvent as KvSubscriptionEvent
+from .kv_subscription import KvSubscriptionLifecycle as KvSubscriptionLifecycle
+from .kv_subscription import KvSubscriptionObserver as KvSubscriptionObserver
+from .kv_subscription import KvSubscriptionState as KvSubscriptionState
 from .request import REQUEST as REQUEST
 from .request import RequestEvent as RequestEvent
 from .request import RequestLifecycle as RequestLifecycle
@@ -28,14 +33,19 @@ from .worker import WorkerLifecycle as WorkerLifecycle
 from .worker import WorkerObserver as WorkerObserver
 from .worker import WorkerState as WorkerState
 
-KINDS: tuple[MachineKind[Any, Any, Any], ...] = (WORKER, REQUEST)
+KINDS: tuple[MachineKind[Any, Any, Any], ...] = (WORKER, REQUEST, KV_SUBSCRIPTION)
 """Every machine kind, for the live state view and the docs generator."""
 
 __all__ = [
     "KINDS",
+    "KV_SUBSCRIPTION",
     "REQUEST",
     "WORKER",
     "IllegalTransition",
+    "KvSubscriptionEvent",
+    "KvSubscriptionLifecycle",
+    "KvSubscriptionObserver",
+    "KvSubscriptionState",
     "Lifecycle",
     "MachineKind",
     "RequestEvent",

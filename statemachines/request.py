@@ -11,8 +11,22 @@
 #   received -submit-> submitted -first_token-> streaming -finish-> finished
 #   received -reject-> rejected                      (refused before any RPC: HTTP 400, nothing sent to the engine)
 #   submitted -finish-> finished                     (the stream's first event is already terminal)
-#   received|submitted|streaming -cancel-> cancelled (client stop, drain deadline, worker shutdown)
-#   received|submitted|streaming -fail-> failed      (engine error, protocol violation, engine lost, a bug)
+#   any live state -cancel-> cancelled               (client stop, drain deadline, worker shutdown)
+#   any live state -fail-> failed                    (engine error, protocol violation, engine lost, a bug)
+#
+# Disaggregated prefill/decode (context-first, docs/disaggregation.md):
+#
+#   prefill leg:  received -submit-> submitted [-first_token-> streaming] -handoff-> prefill_ready -finish-> finished
+#                 (a legitimate early stop -- EOS at the first token -- is a plain `finish` with the tokens)
+#   decode leg:   received -submit_decode-> decoding -first_token-> streaming -finish-> finished
+#                 decoding -defer-> cancel_deferred -first_token-> cancelled
+#
+# A decode leg carrying a handoff must not be dropped while the KV cache is in flight: the prefill engine would keep
+# the session's blocks pinned (TensorRT-LLM cannot abort a KV session).  So a *client* stop in `decoding` is `defer`,
+# not `cancel`: the request waits in `cancel_deferred` until the engine's first response (the transfer landed), and
+# that `first_token` ends it in `cancelled` (the request task then aborts it on the engine).  `cancel` itself -- the
+# worker ending the request (drain deadline, engine lost) -- is never deferred: "engine shutdown still wins".  A
+# decode worker's request without a handoff (conditional disaggregation bypass) runs as `submit` like any other.
 #
 # The invariant: every request ends in exactly one of rejected, finished, cancelled or
 # failed.  The task shape that guarantees it: do the work and fire edges inside the task's cancel scope;
@@ -29,12 +43,9 @@
 # `finally` above fire `cancel` without checking first.  Anything else outside TRANSITIONS raises IllegalTransition
 # (e.g. a second `finish` means the stream was read after its terminal event -- a bug).
 #
-# Growing the machine (disaggregated prefill/decode) is a table edit: add the states to `RequestState`, `STATES`
-# and `STATE_DOCS` (e.g. `prefill_ready` after a prefill leg's terminal, `decoding` for a decode leg, and a state
-# that defers a client cancel until the decode leg's first token, so prefill KV is not stranded), add their rows to
-# TRANSITIONS (give each new non-terminal state its `cancel` row explicitly, since the deferral state changes where
-# `cancel` goes), and the `fail` row picks them up through `_ACTIVE`.  The tests then check the new edges, the
-# terminal invariant and the generated docs.
+# Growing the machine is a table edit: add the states to `RequestState`, `STATES` and `STATE_DOCS`, add their rows
+# to TRANSITIONS (each non-terminal state lists its `cancel` row explicitly), and the `fail` row picks them up through
+# `_ACTIVE`.  The tests then check the new edges, the terminal invariant and the generated docs.
 
 from __future__ import annotations
 
@@ -59,13 +70,29 @@ __all__ = [
     "RequestState",
 ]
 
-RequestState = Literal["received", "submitted", "streaming", "finished", "rejected", "cancelled", "failed"]
-RequestEvent = Literal["reject", "submit", "first_token", "finish", "cancel", "fail"]
+RequestState = Literal[
+    "received",
+    "submitted",
+    "decoding",
+    "cancel_deferred",
+    "streaming",
+    "prefill_ready",
+    "finished",
+    "rejected",
+    "cancelled",
+    "failed",
+]
+RequestEvent = Literal[
+    "reject", "submit", "submit_decode", "first_token", "defer", "handoff", "finish", "cancel", "fail"
+]
 
 STATES: tuple[RequestState, ...] = (
     "received",
     "submitted",
+    "decoding",
+    "cancel_deferred",
     "streaming",
+    "prefill_ready",
     "finished",
     "rejected",
     "cancelled",
@@ -82,15 +109,28 @@ TRANSITIONS: list[TransitionConfigDict] = [
     # any RPC, so the engine never hears of it and nothing needs aborting.
     {"trigger": "reject", "source": "received", "dest": "rejected"},
     # The Generate RPC is open: from here on the engine may hold state for this request and an exit must Abort.
+    # Aggregated requests, prefill legs, and a decode worker's requests without a handoff.
     {"trigger": "submit", "source": "received", "dest": "submitted"},
-    # First response event that is not terminal.  Fired once per request -- never per token.
-    {"trigger": "first_token", "source": "submitted", "dest": "streaming"},
-    # Terminal response event.  From `submitted` too: a prefill leg or a zero-token answer (max_tokens reached at
-    # once, immediate stop) has a terminal first event.
-    {"trigger": "finish", "source": ["submitted", "streaming"], "dest": "finished"},
-    # Client stop, drain deadline or worker shutdown.  Listed per state rather than via _ACTIVE: the disaggregated
-    # decode leg will route `cancel` to a deferral state instead.
-    {"trigger": "cancel", "source": ["received", "submitted", "streaming"], "dest": "cancelled"},
+    # The Generate RPC of a decode leg carrying a prefill handoff is open: the engine is pulling the KV cache.
+    {"trigger": "submit_decode", "source": "received", "dest": "decoding"},
+    # First response event that is not terminal.  Fired once per request -- never per token.  In `cancel_deferred`
+    # it means the KV transfer has landed: the client's deferred stop now takes effect (the task aborts the request).
+    {"trigger": "first_token", "source": ["submitted", "decoding"], "dest": "streaming"},
+    {"trigger": "first_token", "source": "cancel_deferred", "dest": "cancelled"},
+    # The client stopped a decode leg while its KV cache is in flight: wait for the first response, then abort.
+    {"trigger": "defer", "source": "decoding", "dest": "cancel_deferred"},
+    # A prefill leg's terminal PrefillReady: the handoff is ready and waits for the end of the stream.
+    {"trigger": "handoff", "source": ["submitted", "streaming"], "dest": "prefill_ready"},
+    # Terminal response event (and, for a prefill leg, the end of the stream after PrefillReady).  From `submitted`
+    # and `decoding` too: a zero-token answer (max_tokens reached at once, immediate stop) has a terminal first event.
+    {"trigger": "finish", "source": ["submitted", "decoding", "streaming", "prefill_ready"], "dest": "finished"},
+    # Drain deadline, worker shutdown, the request task ending -- and a client stop, except in `decoding` (`defer`).
+    # Listed per state: `cancel` is never deferred.
+    {
+        "trigger": "cancel",
+        "source": ["received", "submitted", "decoding", "cancel_deferred", "streaming", "prefill_ready"],
+        "dest": "cancelled",
+    },
     # Engine error, protocol violation, lost engine or a bug: from every non-terminal state, so the request task's
     # `except Exception: fire("fail")` is always legal.
     {"trigger": "fail", "source": _ACTIVE, "dest": "failed"},
@@ -115,10 +155,31 @@ STATE_DOCS: dict[RequestState, StateDoc] = {
         operator_sees="Time to first token; the engine's queued/running counts in GetLoad.",
         action="Nothing. A large, growing count means the engine is saturated (queueing): scale out or lower the load.",
     ),
+    "decoding": StateDoc(
+        meaning="A decode leg with a prefill handoff: the Generate RPC is open and the engine is pulling the KV cache "
+        "from the prefill engine; no token yet.",
+        operator_sees="Time to first token of disaggregated requests (KV transfer + first step).",
+        action="Nothing. Many requests stuck here point at the KV transfer between the engines: check their "
+        "transceivers (same backend, reachable endpoints) and the prefill engine's load.",
+    ),
+    "cancel_deferred": StateDoc(
+        meaning="The client stopped a decode leg while its KV cache was in flight; the request goes on until the "
+        "engine's first response (the transfer landed), then is aborted, so the prefill engine's KV blocks are not "
+        "stranded. Bounded by --request-inactivity-timeout-secs.",
+        operator_sees="A log line per deferred cancel; the request counts as cancelled once the transfer lands.",
+        action="Nothing. If requests linger here, the KV transfer is slow or stuck (see `decoding`).",
+    ),
     "streaming": StateDoc(
         meaning="The engine is producing tokens; chunks are flowing to the frontend.",
         operator_sees="In-flight request count; token throughput.",
         action="Nothing.",
+    ),
+    "prefill_ready": StateDoc(
+        meaning="A prefill leg's PrefillReady arrived: the handoff (KV session) is mapped and waits for the end of the "
+        "stream before it goes to the frontend, which chains the request into a decode worker.",
+        operator_sees="Normally gone within a millisecond.",
+        action="Nothing. A prefill leg cancelled here leaves a KV session on the prefill engine that no decode will "
+        "claim (logged); the engine releases it on its own timeout.",
     ),
     "finished": StateDoc(
         meaning="The engine's terminal event arrived and the final chunk (with usage) was sent.",

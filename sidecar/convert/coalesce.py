@@ -7,8 +7,9 @@ nothing waits and every chunk goes out alone, at once. No timer is involved: wha
 The rule (one output = one ``index``; order is the order chunks were added):
 
 * a chunk merges into the **latest pending chunk of the same output** when that chunk is still open (none of
-  ``finish_reason``, ``stop_reason``, ``completion_usage``): ``token_ids``, ``log_probs`` and ``top_logprobs`` are concatenated in
-  order, and the later chunk's ``finish_reason`` / ``stop_reason`` / ``completion_usage`` are carried over;
+  ``finish_reason``, ``stop_reason``, ``completion_usage``): ``token_ids``, ``log_probs`` and ``top_logprobs`` are
+  concatenated in order, and the later chunk's ``finish_reason`` / ``stop_reason`` / ``completion_usage`` are carried
+  over;
 * never across outputs, never past a terminal: a chunk after a terminal of its output starts a new chunk;
 * a chunk with ``completion_usage`` (the stream's final chunk) merges only into the chunk right before it, so usage
   stays on the last chunk; nothing merges into or across it afterwards;

@@ -1,7 +1,7 @@
 """Dynamo ``PreprocessedRequest`` dict → OpenEngine ``GenerateRequest`` (upb) + gRPC metadata.
 
-Aggregated serving only (this module knows nothing of prefill/decode yet). Every field of the
-request dict is in exactly one of three states, listed in :data:`FIELD_POLICY`:
+One function for every worker role (``aggregated``, ``prefill``, ``decode``; see "Disaggregation" below). Every
+field of the request dict is in exactly one of three states, listed in :data:`FIELD_POLICY`:
 
 * **mapped** — validated and carried to the engine;
 * **refused** — not representable (yet) or not advertised by the engine: when present with a
@@ -23,6 +23,17 @@ Rules shared with Dynamo's Rust sidecars (``dynamo-sidecar.md`` §3) and TensorR
 * ``sampling.temperature`` is sent whenever given (TensorRT-LLM defaults to 1.0: greedy must be asked).
 * Stop strings and stop token ids (``stop_token_ids`` ∪ ``stop_token_ids_hidden``) are deduplicated
   and sorted; at most 64 conditions together, as TensorRT-LLM enforces.
+
+Disaggregation (context-first, ``dynamo-sidecar.md`` §5, ``tensorrt-llm-openengine.md`` §8):
+
+* **prefill** leg: ``max_tokens = 1``; ``min_tokens`` kept (clamped to 1, which has the same effect: EOS cannot end
+  the one-token context phase, so the handoff happens); ``extra.request_type = "context_only"`` (TensorRT-LLM picks
+  the phase per request from it; engines that know their role ignore it); one output only.
+* **decode** leg: ``prefill_result.disaggregated_params`` is decoded and validated (:mod:`.handoff`) and replayed as
+  ``kv.session``, with the full prompt; ``prefill_result.prompt_tokens_details.cached_tokens`` becomes the cached
+  token count of the final usage (the decode engine would report the transferred prompt as a ~100 % cache hit). A
+  decode request without ``prefill_result`` runs the whole request here (Dynamo's conditional disaggregation bypass).
+* ``prefill_result`` on an aggregated or prefill worker is refused: it must be routed to a decode worker.
 """
 
 from __future__ import annotations
@@ -31,11 +42,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
 
 from openengine.v1 import generation_pb2
+from openengine_bp.openengine.v1 import EngineRole
 from sidecar.errors import RequestRejected
 
+from .handoff import handoff_to_session
 from .response import ResponseMapper
 
 if TYPE_CHECKING:
@@ -47,8 +60,28 @@ __all__ = [
     "MAX_METADATA_BYTES",
     "MAX_STOP_CONDITIONS",
     "GenerateCall",
+    "Role",
     "build_generate_request",
+    "role_of_engine",
 ]
+
+#: The worker's role, which decides the leg a request is (``sidecar.startup`` resolves it at start-up).
+Role: TypeAlias = Literal["aggregated", "prefill", "decode"]
+
+#: ``GenerateRequest.extra.request_type`` of a prefill leg (TensorRT-LLM's context-only phase).
+CONTEXT_ONLY: Final = "context_only"
+
+_ROLE_OF_ENGINE: Final[dict[EngineRole, Role]] = {
+    EngineRole.AGGREGATED: "aggregated",
+    EngineRole.PREFILL: "prefill",
+    EngineRole.DECODE: "decode",
+}
+
+
+def role_of_engine(engine_role: EngineRole) -> Role:
+    """The role an engine reports (``ServerInfo.engine_role``); UNSPECIFIED (TensorRT-LLM) reads as aggregated."""
+    return _ROLE_OF_ENGINE.get(engine_role, "aggregated")
+
 
 UINT32_MAX: Final = 2**32 - 1
 UINT64_MAX: Final = 2**64 - 1
@@ -128,8 +161,12 @@ FIELD_POLICY: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
         "extra_args.disable_prefix_cache": (_REFUSED, "prefix-cache bypass not mapped yet"),
         "extra_args.nvext.cache_salt": (_REFUSED, "cache salt not mapped yet"),
         "extra_args.*": (_IGNORED, "frontend-level (messages, nvext response fields, ...)"),
-        "prefill_result": (_REFUSED, "a decode handoff; this worker is aggregated"),
-        "bootstrap_info": (_REFUSED, "a disaggregation handoff; this worker is aggregated"),
+        "prefill_result": (
+            _MAPPED,
+            "decode role: disaggregated_params → kv.session (validated, number-faithful), "
+            "prompt_tokens_details.cached_tokens → usage; refused on aggregated and prefill workers",
+        ),
+        "bootstrap_info": (_REFUSED, "client-bootstrap (SGLang-style) handoff is not supported; context-first only"),
         "multi_modal_data": (_REFUSED, "media not mapped yet"),
         "multi_modal_uuids": (_REFUSED, "media not mapped yet"),
         "mm_routing_info": (_REFUSED, "media not mapped yet"),
@@ -145,8 +182,7 @@ FIELD_POLICY: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
 # Top-level fields refused whenever they carry a value (None, empty containers and all-None
 # objects count as absent).
 _REFUSED_TOP_LEVEL: Final = (
-    ("prefill_result", "a prefill handoff must be routed to a decode worker; this worker is aggregated"),
-    ("bootstrap_info", "disaggregated bootstrap is not supported by an aggregated worker"),
+    ("bootstrap_info", "client-bootstrap disaggregation is not supported (context-first handoffs only)"),
     ("multi_modal_data", "multimodal input is not mapped yet"),
     ("multi_modal_uuids", "multimodal input is not mapped yet"),
     ("mm_routing_info", "multimodal input is not mapped yet"),
@@ -183,8 +219,18 @@ class GenerateCall:
     top_n: int | None
     #: Prompt length in tokens.
     prompt_tokens: int
-    #: ``stopping.max_tokens`` sent (explicit, clamped, or derived).
+    #: ``stopping.max_tokens`` sent (explicit, clamped, or derived; 1 on a prefill leg).
     max_tokens: int
+    #: The leg this call is: ``aggregated`` (a whole request, also a decode worker's bypass), ``prefill`` or
+    #: ``decode`` (with ``kv.session``).
+    leg: Role = "aggregated"
+    #: Cached prompt tokens reported by the prefill leg (decode legs only; None = not reported).
+    prefill_cached_tokens: int | None = None
+
+    @property
+    def handoff(self) -> bool:
+        """Whether this is a decode leg replaying a prefill handoff (its client cancellation is deferred)."""
+        return self.leg == "decode"
 
     @property
     def request_id(self) -> str:
@@ -194,7 +240,14 @@ class GenerateCall:
 
     def response_mapper(self) -> ResponseMapper:
         """A fresh :class:`ResponseMapper` for this call's response stream."""
-        return ResponseMapper(self.request_id, n=self.n, logprobs=self.logprobs, prompt_tokens=self.prompt_tokens)
+        return ResponseMapper(
+            self.request_id,
+            n=self.n,
+            logprobs=self.logprobs,
+            prompt_tokens=self.prompt_tokens,
+            leg=self.leg,
+            cached_tokens=self.prefill_cached_tokens,
+        )
 
 
 # ------------------------------------------------------------------------------------------ readers
@@ -289,8 +342,9 @@ def build_generate_request(
     caps: Capabilities,
     context_length: int,
     trace: Mapping[str, str] | None = None,
+    role: Role = "aggregated",
 ) -> GenerateCall:
-    """Map one Dynamo ``PreprocessedRequest`` dict to a ``Generate`` call for an aggregated engine.
+    """Map one Dynamo ``PreprocessedRequest`` dict to a ``Generate`` call for a worker of ``role``.
 
     ``context_length`` is the window in force (configured, else ``ModelInfo.max_context_length``);
     ``trace`` holds the caller's ``traceparent``/``tracestate``. Raises only
@@ -306,6 +360,7 @@ def build_generate_request(
     extra_args = _section(request, "extra_args")
 
     _refuse_unmapped(request, stop, sampling, output, routing, extra_args, caps)
+    leg = _leg(request, role)
 
     result = generation_pb2.GenerateRequest(request_id=request_id, model=model)
     ids = _token_ids(request)
@@ -322,8 +377,18 @@ def build_generate_request(
     prompt_tokens = len(ids)
 
     n = _map_sampling(result.sampling, sampling, caps)
-    max_tokens = _map_stopping(result.stopping, stop, sampling, caps, prompt_tokens, context_length)
+    if n > 1 and leg != "aggregated":
+        reason = f"a disaggregated ({leg}) request serves one output; asked for {n}"
+        raise RequestRejected("sampling_options.n", reason)
+    max_tokens = _map_stopping(
+        result.stopping, stop, sampling, caps, prompt_tokens, context_length, one_token_leg=leg == "prefill"
+    )
     logprobs, top_n = _map_logprobs(result, output, caps)
+    cached: int | None = None
+    if leg == "prefill":
+        max_tokens = _prefill_leg(result)
+    elif leg == "decode":
+        cached = _decode_leg(result, _section(request, "prefill_result"), caps, prompt_tokens)
 
     return GenerateCall(
         request=result,
@@ -333,7 +398,51 @@ def build_generate_request(
         top_n=top_n,
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
+        leg=leg,
+        prefill_cached_tokens=cached,
     )
+
+
+def _leg(request: Mapping[str, Any], role: Role) -> Role:
+    """Which leg the request is on a worker of ``role``: a decode worker without a handoff runs the whole request."""
+    has_handoff = not _is_unset(request.get("prefill_result"))
+    if role == "decode":
+        return "decode" if has_handoff else "aggregated"
+    if has_handoff:
+        reason = f"a prefill handoff must be routed to a decode worker; this worker is {role}"
+        raise RequestRejected("prefill_result", reason)
+    return role
+
+
+def _prefill_leg(result: generation_pb2.GenerateRequest) -> int:
+    """Make ``result`` a context-only leg: one token, ``min_tokens`` kept, ``extra.request_type``; returns 1."""
+    stopping = result.stopping
+    stopping.max_tokens = 1
+    # min_tokens was validated against the request's own max_tokens. Any min_tokens ≥ 1 means the same thing for a
+    # one-token leg (EOS may not end it), and a value above max_tokens could be refused by the engine.
+    if stopping.HasField("min_tokens") and stopping.min_tokens > 1:
+        stopping.min_tokens = 1
+    result.extra.fields["request_type"].string_value = CONTEXT_ONLY
+    return 1
+
+
+def _decode_leg(
+    result: generation_pb2.GenerateRequest, prefill_result: Mapping[str, Any], caps: Capabilities, prompt_tokens: int
+) -> int | None:
+    """Replay the prefill handoff as ``kv.session``; returns the prefill leg's cached prompt tokens (or None)."""
+    params = prefill_result.get("disaggregated_params")
+    if params is None:
+        reason = "missing: the prefill leg returned no handoff (is the prefill worker an OpenEngine prefill worker?)"
+        raise RequestRejected("prefill_result.disaggregated_params", reason)
+    result.kv.session.CopyFrom(handoff_to_session(params, connector=caps.kv_connector))
+    details = prefill_result.get("prompt_tokens_details")
+    if details is None:
+        return None
+    if not isinstance(details, Mapping):
+        reason = f"must be an object, got {type(details).__name__}"
+        raise RequestRejected("prefill_result.prompt_tokens_details", reason)
+    cached = _int(details.get("cached_tokens"), "prefill_result.prompt_tokens_details.cached_tokens", 0, UINT32_MAX)
+    return None if cached is None else min(cached, prompt_tokens)
 
 
 def _refuse_unmapped(
@@ -458,6 +567,8 @@ def _map_stopping(
     caps: Capabilities,
     prompt_tokens: int,
     context_length: int,
+    *,
+    one_token_leg: bool = False,
 ) -> int:
     window = context_length - prompt_tokens
     if window < 1:
@@ -479,7 +590,8 @@ def _map_stopping(
 
     min_tokens = _int(stop.get("min_tokens"), "stop_conditions.min_tokens", 0, UINT32_MAX)
     if min_tokens is not None:
-        if min_tokens > max_tokens:
+        # A prefill leg gets max_tokens=1 from the frontend with the client's own min_tokens: _prefill_leg clamps it.
+        if min_tokens > max_tokens and not one_token_leg:
             raise RequestRejected("stop_conditions.min_tokens", f"{min_tokens} exceeds max_tokens ({max_tokens})")
         target.min_tokens = min_tokens
 

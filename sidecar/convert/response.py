@@ -31,6 +31,19 @@ Decisions:
   streamed); ``total_tokens`` is recomputed; cached/reasoning tokens are clamped to their totals.
 * An ``error`` event discards the chunks mapped earlier in the same batch: the request fails (or
   is migrated, and the next worker regenerates from what the client has actually received).
+
+Disaggregated legs (``leg``, ``dynamo-sidecar.md`` §4.2):
+
+* **prefill**: token events are held back. The terminal ``prefill_ready`` becomes the final chunk: no tokens (the
+  decode engine replays the first token; sending it here too would show it twice), ``finish_reason = "length"``
+  (Dynamo's prefill router chains into decode only on ``length``), usage (prompt, 0 completion, cached as reported)
+  and ``disaggregated_params`` = the handoff JSON (:mod:`.handoff`; a malformed session is ``BAD_HANDOFF``). A
+  ``finished`` with ``stop`` is a legitimate early stop (EOS at the first token): the held tokens are the whole answer.
+  Any other ``finished`` (``length``: the engine ran the leg as a plain one-token generation, i.e. it has no KV cache
+  transceiver; ``cancelled``: it dropped the leg) is :class:`~sidecar.errors.HandoffMissing`, saying why.
+* **decode**: tokens flow as in an aggregated request — the stream starts with the replayed first token, which the
+  client has not seen yet. The final usage's cached tokens are the prefill leg's (``cached_tokens``).
+* ``prefill_ready`` on any other leg is ``UNEXPECTED_EVENT``.
 """
 
 from __future__ import annotations
@@ -38,9 +51,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final
 
 from openengine.v1 import generation_pb2
-from sidecar.errors import EngineFailure, ProtocolViolation, Violation
+from sidecar.errors import EngineFailure, HandoffMissing, ProtocolViolation, Violation
 
 from .enums import pb_enum
+from .handoff import HandoffError, session_to_handoff
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -64,12 +78,46 @@ _FINISH_REASONS: Final[dict[int, str]] = {
 class ResponseMapper:
     """Maps one request's ``GenerateResponse`` batches to chunk dicts, enforcing the stream contract."""
 
-    __slots__ = ("_closed", "_completion", "_finished", "_logprobs", "_n", "_open", "_prompt_tokens", "_request_id")
+    __slots__ = (
+        "_cached_tokens",
+        "_closed",
+        "_completion",
+        "_finished",
+        "_handed_off",
+        "_held",
+        "_leg",
+        "_logprobs",
+        "_n",
+        "_open",
+        "_prompt_tokens",
+        "_request_id",
+    )
 
-    def __init__(self, request_id: str, *, n: int, logprobs: int | None, prompt_tokens: int) -> None:
-        """``n`` outputs were asked for; ``logprobs`` as requested (None = not asked)."""
+    def __init__(
+        self,
+        request_id: str,
+        *,
+        n: int,
+        logprobs: int | None,
+        prompt_tokens: int,
+        leg: str = "aggregated",
+        cached_tokens: int | None = None,
+    ) -> None:
+        """``n`` outputs were asked for; ``logprobs`` as requested (None = not asked).
+
+        ``leg`` is ``aggregated``, ``prefill`` or ``decode``; ``cached_tokens`` (decode legs) replaces the engine's
+        cached prompt tokens in the final usage.
+        """
         if n < 1:
             raise ValueError(f"n must be ≥ 1, got {n}")
+        if leg not in ("aggregated", "prefill", "decode"):
+            raise ValueError(f"unknown leg {leg!r}")
+        if leg == "prefill" and n != 1:
+            raise ValueError("a prefill leg has exactly one output")
+        self._leg = leg
+        self._cached_tokens = cached_tokens
+        self._held: list[Chunk] = []  # a prefill leg's tokens, returned only on a legitimate early stop
+        self._handed_off = False
         self._request_id = request_id
         self._n = n
         self._logprobs = logprobs
@@ -85,6 +133,11 @@ class ResponseMapper:
         return self._closed
 
     @property
+    def handed_off(self) -> bool:
+        """True once a prefill leg's ``prefill_ready`` was mapped into the final chunk (the handoff)."""
+        return self._handed_off
+
+    @property
     def completion_tokens(self) -> int:
         """Output tokens mapped so far, over all outputs."""
         return sum(self._completion)
@@ -96,6 +149,8 @@ class ResponseMapper:
     def map(self, responses: Sequence[generation_pb2.GenerateResponse]) -> list[Chunk]:
         """Map one batch of responses to chunks (possibly none). Raises on a breach or engine error."""
         chunks: list[Chunk] = []
+        # A prefill leg's tokens are held back (see the module docstring).
+        tokens_to = self._held if self._leg == "prefill" else chunks
         request_id = self._request_id
         finished = self._finished
         n = self._n
@@ -123,7 +178,7 @@ class ResponseMapper:
                     continue
                 ids = [info.token_id for info in infos]
                 self._completion[index] += len(ids)
-                last = chunks[-1] if chunks else None
+                last = tokens_to[-1] if tokens_to else None
                 if last is not None and last["index"] == index and "finish_reason" not in last:
                     last["token_ids"].extend(ids)
                     if self._logprobs is not None:
@@ -134,9 +189,12 @@ class ResponseMapper:
                         chunk["log_probs"] = []
                         chunk["top_logprobs"] = []
                         self._add_logprobs(chunk, infos)
-                    chunks.append(chunk)
+                    tokens_to.append(chunk)
             elif kind == "finished":
-                chunks.append(self._finish(response, chunks))
+                chunk = self._finish(response, tokens_to)
+                if self._leg == "prefill" and chunk["finish_reason"] != "stop":
+                    raise self._no_handoff(chunk["finish_reason"], response.finished.message)
+                chunks.append(chunk)
             elif kind == "error":
                 error = response.error
                 self._closed = True
@@ -146,7 +204,10 @@ class ResponseMapper:
             elif kind == "prompt":
                 raise self._violation(Violation.UNEXPECTED_EVENT, "prompt event, prompt logprobs were not requested")
             elif kind == "prefill_ready":
-                raise self._violation(Violation.UNEXPECTED_EVENT, "prefill_ready on an aggregated request")
+                if self._leg != "prefill":
+                    what = "a decode leg" if self._leg == "decode" else "an aggregated request"
+                    raise self._violation(Violation.UNEXPECTED_EVENT, f"prefill_ready on {what}")
+                chunks.append(self._handoff(response))
             else:  # a oneof member this build does not know cannot be parsed into one; defensive
                 raise self._violation(Violation.UNEXPECTED_EVENT, f"unknown event {kind!r}")
         return chunks
@@ -210,6 +271,47 @@ class ResponseMapper:
             chunk["completion_usage"] = self._usage(response.usage)
         return chunk
 
+    def _no_handoff(self, finish_reason: str, message: str) -> HandoffMissing:
+        self._closed = True
+        if finish_reason == "length":
+            why = (
+                "the engine ran the context-only request as a plain one-token generation, so it has no KV cache "
+                "transceiver for disaggregated serving (TensorRT-LLM: configure cache_transceiver_config)"
+            )
+        else:
+            why = "the engine ended the leg before it could hand the KV cache off"
+        detail = f"; engine says: {message}" if message else ""
+        return HandoffMissing(f"prefill leg finished with {finish_reason!r} and no PrefillReady: {why}{detail}")
+
+    def _handoff(self, response: generation_pb2.GenerateResponse) -> Chunk:
+        """The final chunk of a prefill leg: no tokens, ``length``, usage and the handoff JSON."""
+        if not response.HasField("usage"):
+            raise self._violation(Violation.MISSING_USAGE, "prefill_ready carries no usage")
+        ready = response.prefill_ready
+        if not ready.HasField("kv_session"):
+            raise self._violation(Violation.BAD_HANDOFF, "prefill_ready carries no kv_session")
+        try:
+            params = session_to_handoff(ready.kv_session)
+        except HandoffError as exc:
+            raise self._violation(Violation.BAD_HANDOFF, str(exc)) from None
+        self._closed = True
+        self._handed_off = True
+        self._held.clear()
+        self._finished[0] = True
+        self._open = 0
+        usage = response.usage
+        prompt: int = usage.prompt_tokens or self._prompt_tokens
+        result: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
+        if usage.HasField("cached_prompt_tokens"):
+            result["prompt_tokens_details"] = {"cached_tokens": min(usage.cached_prompt_tokens, prompt)}
+        return {
+            "token_ids": [],
+            "index": 0,
+            "finish_reason": "length",
+            "completion_usage": result,
+            "disaggregated_params": params,
+        }
+
     def _usage(self, usage: generation_pb2.Usage) -> dict[str, Any]:
         prompt: int = usage.prompt_tokens or self._prompt_tokens
         completion: int = usage.completion_tokens or sum(self._completion)
@@ -218,7 +320,10 @@ class ResponseMapper:
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
         }
-        if usage.HasField("cached_prompt_tokens"):
+        if self._cached_tokens is not None:
+            # A decode leg: the engine counts the transferred prompt as cached; the prefill leg's figure is the truth.
+            result["prompt_tokens_details"] = {"cached_tokens": min(self._cached_tokens, prompt)}
+        elif usage.HasField("cached_prompt_tokens"):
             result["prompt_tokens_details"] = {"cached_tokens": min(usage.cached_prompt_tokens, prompt)}
         if usage.HasField("reasoning_tokens"):
             result["completion_tokens_details"] = {"reasoning_tokens": min(usage.reasoning_tokens, completion)}

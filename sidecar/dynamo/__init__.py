@@ -6,6 +6,10 @@ a :class:`sidecar.errors.SidecarError` it raises becomes the ``dynamo.llm.except
 """
 
 from ._handler import CANCELLED_CHUNK as CANCELLED_CHUNK
+from ._publishers import KvEventSink as KvEventSink
+from ._publishers import LoadSink as LoadSink
+from ._publishers import open_kv_event_sink as open_kv_event_sink
+from ._publishers import open_load_sink as open_load_sink
 from ._types import DynamoSettings as DynamoSettings
 from ._types import Registration as Registration
 from ._types import RequestContext as RequestContext
@@ -18,9 +22,13 @@ __all__ = [
     "CANCELLED_CHUNK",
     "DynamoSettings",
     "DynamoWorker",
+    "KvEventSink",
+    "LoadSink",
     "Registration",
     "RequestContext",
     "RequestHandler",
     "file_discovery_keys",
     "open_dynamo",
+    "open_kv_event_sink",
+    "open_load_sink",
 ]

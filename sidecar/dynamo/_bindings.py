@@ -90,6 +90,9 @@ def _runtime_config(reg: Registration) -> ModelRuntimeConfig:
         config.reasoning_parser = reg.reasoning_parser
     if reg.tool_call_parser is not None:
         config.tool_call_parser = reg.tool_call_parser
+    if reg.kv_events:
+        config.kv_event_publishing_enabled = True
+        config.enable_local_indexer = True
     for key, value in reg.runtime_data.items():
         config.set_engine_specific(key, json.dumps(value))
     return config

@@ -183,7 +183,9 @@ def make_handler(
         ctx = request_context(request, context)
         loop = asyncio.get_running_loop()
         outbox = _Outbox(loop)
-        pump = loop.create_task(_pump(edge, nursery, handler, request, ctx, outbox), name=f"dynamo-req-{ctx.request_id}")
+        pump = loop.create_task(
+            _pump(edge, nursery, handler, request, ctx, outbox), name=f"dynamo-req-{ctx.request_id}"
+        )
         stop = asyncio.ensure_future(context.async_killed_or_stopped())
         stop.add_done_callback(lambda _: pump.cancel())
         pump.add_done_callback(lambda _: stop.cancel())

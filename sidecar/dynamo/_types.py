@@ -72,6 +72,8 @@ class Registration:
     tool_call_parser: str | None = None
     aliases: tuple[str, ...] = ()
     router_mode: Literal["kv"] | None = None
+    #: The worker publishes KV events (and keeps a worker-side index the router can recover from).
+    kv_events: bool = False
     runtime_data: Mapping[str, Any] = field(default_factory=dict)
     needs: tuple[tuple[WorkerRole, ...], ...] = ()
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import ssl
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
@@ -547,7 +548,21 @@ async def _aio_open_channels(config: EngineClientConfig) -> list[Channel]:
     )
     codec = _BoundedProtoCodec(config.max_message_bytes)
     host, port = config.endpoint.host, config.endpoint.port
-    return [Channel(host, port, codec=codec, config=grpc_config) for _ in range(config.connections)]
+    context = tls_context(config) if config.endpoint.tls else None
+    return [Channel(host, port, codec=codec, config=grpc_config, ssl=context) for _ in range(config.connections)]
+
+
+def tls_context(config: EngineClientConfig) -> ssl.SSLContext:
+    """A client TLS context verifying the engine with ``tls_ca``; with ``tls_cert``/``tls_key``, mutual TLS."""
+    if config.tls_ca is None:
+        raise ValueError("a TLS endpoint needs tls_ca (the CA that signed the engine's certificate)")
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(config.tls_ca))
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    # gRPC is HTTP/2 only: without ALPN h2 a conforming server refuses the connection.
+    context.set_alpn_protocols(["h2"])
+    if config.tls_cert is not None and config.tls_key is not None:
+        context.load_cert_chain(str(config.tls_cert), str(config.tls_key))
+    return context
 
 
 async def _aio_close_channels(channels: list[Channel]) -> None:

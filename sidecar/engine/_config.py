@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Final
 
 from ._endpoint import Endpoint
@@ -51,6 +52,10 @@ class EngineClientConfig:
     startup_deadline_s: float = 1800.0
     stream_window_bytes: int = 1 * _MiB
     connection_window_bytes: int = 2 * _MiB
+    #: TLS towards an engine on another host (``endpoint.tls``): CA bundle, and a client pair for mutual TLS.
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.endpoint, Endpoint):

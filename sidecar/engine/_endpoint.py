@@ -28,21 +28,25 @@ class EndpointError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    """A plaintext gRPC endpoint. ``host`` is unbracketed (``::1``, not ``[::1]``)."""
+    """A gRPC endpoint. ``host`` is unbracketed (``::1``, not ``[::1]``); ``tls`` when it is spoken over TLS."""
 
     host: str
     port: int
+    tls: bool = False
 
     def __str__(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
-def parse_endpoint(text: str) -> Endpoint:
+def parse_endpoint(text: str, *, tls: bool = False) -> Endpoint:
     """Parse ``text`` into an :class:`Endpoint`, or raise :class:`EndpointError` naming the problem.
 
     Accepted: ``host:port``, ``http://host:port``, ``grpc://host:port`` (optionally with one trailing ``/``), IPv6
     literals in brackets (``[::1]:50051``). Refused: ``https``/``grpcs`` (TLS is not enabled), any other scheme,
     userinfo, a path, a query, a fragment, a missing, non-numeric or out-of-range port, an empty or malformed host.
+
+    With ``tls=True`` (the operator configured a CA) the rule flips: ``https://``, ``grpcs://`` and ``host:port`` are
+    accepted and mean TLS, while the plaintext schemes are refused as a contradiction.
     """
     original = text
     text = text.strip()
@@ -51,14 +55,16 @@ def parse_endpoint(text: str) -> Endpoint:
     scheme, sep, rest = text.partition("://")
     if sep:
         scheme = scheme.lower()
-        if scheme in _TLS_SCHEMES:
+        if scheme in _TLS_SCHEMES and not tls:
             raise EndpointError(
                 f"TLS is not enabled; {original!r} asks for {scheme}://, but OpenEngine is spoken over plaintext h2c"
-                " (use http://host:port, grpc://host:port or host:port)"
+                " (use http://host:port, grpc://host:port or host:port, or pass --grpc-tls-ca to enable TLS)"
             )
+        if scheme in _PLAINTEXT_SCHEMES and tls:
+            raise EndpointError(f"{original!r} asks for plaintext {scheme}:// but TLS is configured; use https://")
         if not _SCHEME_RE.match(scheme):
             raise EndpointError(f"malformed scheme in {original!r}")
-        if scheme not in _PLAINTEXT_SCHEMES:
+        if scheme not in _PLAINTEXT_SCHEMES | _TLS_SCHEMES:
             raise EndpointError(f"unsupported scheme {scheme!r} in {original!r}; use http://, grpc:// or host:port")
     else:
         rest = text
@@ -73,7 +79,7 @@ def parse_endpoint(text: str) -> Endpoint:
     if "@" in authority:
         raise EndpointError(f"userinfo not allowed in endpoint {original!r}")
     host, port_text = _split_authority(authority, original)
-    return Endpoint(host=host, port=_parse_port(port_text, original))
+    return Endpoint(host=host, port=_parse_port(port_text, original), tls=tls)
 
 
 def _split_authority(authority: str, original: str) -> tuple[str, str]:

@@ -18,10 +18,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import trio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from sidecar.errors import EngineFailure, EngineGone, EngineRpcError, ProtocolViolation, WorkerDraining
 from statemachines import KINDS, REQUEST, WORKER
 
 if TYPE_CHECKING:
@@ -32,8 +34,8 @@ if TYPE_CHECKING:
 __all__ = [
     "ABORTS",
     "ABORT_LATENCY",
-    "ENGINE_RECONNECTS",
     "ENGINE_RPC_LATENCY",
+    "HEALTH_TRANSITIONS",
     "INPUT_TOKENS",
     "INTER_TOKEN_LATENCY",
     "KV_EVENT_LAG",
@@ -41,6 +43,8 @@ __all__ = [
     "OUTPUT_TOKENS",
     "PREFIX",
     "PROTOCOL_VIOLATIONS",
+    "RECONNECTS",
+    "REGISTRATION_RESTORES",
     "REGISTRY",
     "REQUESTS_ENDED",
     "REQUESTS_RECEIVED",
@@ -50,10 +54,14 @@ __all__ = [
     "exposition",
     "mark_worker_state",
     "observe_rpc",
+    "rpc_code",
     "typed_families",
 ]
 
 PREFIX: Final = "openengine_sidecar"
+
+# `*_created` samples (one per labelled child) double the page for nothing an operator reads; this process is ours.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 REGISTRY: Final = CollectorRegistry(auto_describe=True)
 """Every metric of the sidecar; nothing else (no process or GC collectors: Dynamo's page is not ours)."""
@@ -121,9 +129,22 @@ ENGINE_RPC_LATENCY: Final = Histogram(
     buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )
-ENGINE_RECONNECTS: Final = Counter(
+RECONNECTS: Final = Counter(
     f"{PREFIX}_engine_reconnects",
-    "Times the worker re-established its connection to the engine after losing it",
+    "Engine connection losses and recoveries: stage=lost when the worker starts reconnecting, stage=recovered when "
+    "it serves again",
+    ["stage"],
+    registry=REGISTRY,
+)
+HEALTH_TRANSITIONS: Final = Counter(
+    f"{PREFIX}_health_transitions",
+    "Worker health changes driven by the engine's Control.Health: change=degraded or recovered",
+    ["change"],
+    registry=REGISTRY,
+)
+REGISTRATION_RESTORES: Final = Counter(
+    f"{PREFIX}_registration_restores",
+    "Times the worker re-published its discovery registration after finding it gone",
     registry=REGISTRY,
 )
 KV_EVENT_LAG: Final = Histogram(
@@ -180,6 +201,10 @@ for _state in WORKER.states:
     WORKER_STATE.labels(state=_state).set(0)
 for _outcome in sorted(REQUEST.terminal):
     REQUESTS_ENDED.labels(outcome=_outcome)
+for _stage in ("lost", "recovered"):
+    RECONNECTS.labels(stage=_stage)
+for _change in ("degraded", "recovered"):
+    HEALTH_TRANSITIONS.labels(change=_change)
 
 
 def mark_worker_state(state: str) -> None:
@@ -191,6 +216,19 @@ def mark_worker_state(state: str) -> None:
 def observe_rpc(rpc: str, code: str, seconds: float) -> None:
     """Record one engine RPC: ``rpc`` an OpenEngine RPC name, ``code`` a gRPC status name (``OK``, ``UNAVAILABLE``)."""
     ENGINE_RPC_LATENCY.labels(rpc=rpc, code=code).observe(seconds)
+
+
+def rpc_code(error: BaseException | None) -> str:
+    """The gRPC status name a Generate stream ended with, for the RPC-latency label (a fixed, small set)."""
+    if error is None:
+        return "OK"
+    if isinstance(error, EngineRpcError):
+        return error.code.name
+    if isinstance(error, EngineFailure | ProtocolViolation):
+        return "OK"  # the RPC itself completed; the engine reported (or broke) something in-band
+    if isinstance(error, trio.Cancelled | GeneratorExit | WorkerDraining | EngineGone):
+        return "CANCELLED"
+    return "UNKNOWN"
 
 
 class RequestStats:

@@ -121,7 +121,9 @@ async def test_chunks_are_flattened_in_order_and_the_context_is_passed() -> None
             agen, _ = await start(edge, nursery, probe)
             chunks, error = await take(edge, agen)
             assert error is None
-            assert [c["token_ids"][0] for c in chunks] == list(range(6))
+            # The two chunks of a batch arrive together, so they are coalesced (sidecar.convert.coalesce).
+            assert [t for c in chunks for t in c["token_ids"]] == list(range(6))
+            assert len(chunks) <= 3
             assert probe.ctx is not None
             assert probe.ctx.request_id == "req-1"
             assert probe.ctx.trace_headers == {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
@@ -134,7 +136,7 @@ async def test_a_stop_cancels_the_trio_task_even_if_dynamo_never_touches_the_gen
             probe = Probe(forever=True)
             agen, ctx = await start(edge, nursery, probe)
             chunks, _ = await take(edge, agen, 1)
-            assert chunks == [{"token_ids": [0]}]
+            assert chunks == [{"token_ids": [0, 1]}]  # the first batch, coalesced
             # The generator stays suspended at its yield, as the binding sometimes leaves it after a stop.
             t0 = trio.current_time()
             await edge.run(_call_soon, ctx.stop)
@@ -208,7 +210,7 @@ async def test_failures_become_dynamo_exceptions_after_the_chunks_sent_before_th
         async with open_edge() as edge, trio.open_nursery() as nursery:
             agen, _ = await start(edge, nursery, Probe(batches=1, error=error))
             chunks, raised = await take(edge, agen)
-            assert len(chunks) == 2
+            assert [t for c in chunks for t in c["token_ids"]] == [0, 1]
             assert type(raised) is expected
             assert str(raised) == message
             assert raised.__cause__ is error
@@ -226,6 +228,54 @@ async def test_a_trio_task_cancelled_from_outside_is_migrated_as_engine_shutdown
             assert type(raised) is dx.EngineShutdown
             assert "drain deadline" in str(raised)
             outer.cancel_scope.cancel()
+
+
+class Tokens:
+    """A trio handler yielding one single-token chunk per batch, the last one with a finish reason."""
+
+    def __init__(self, count: int, pause: float) -> None:
+        self.count = count
+        self.pause = pause
+
+    async def __call__(self, request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[list[dict[str, Any]]]:
+        for i in range(self.count):
+            chunk: dict[str, Any] = {"token_ids": [i], "index": 0}
+            if i == self.count - 1:
+                chunk["finish_reason"] = "length"
+            yield [chunk]
+            await trio.sleep(self.pause)
+
+
+async def test_a_consumer_that_keeps_up_gets_every_chunk_alone() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_edge() as edge, trio.open_nursery() as nursery:
+
+            async def create() -> Any:
+                return make_handler(edge, nursery, Tokens(5, pause=0.02))({"token_ids": [1]}, FakeContext())  # type: ignore[arg-type]
+
+            agen = await edge.run(create)
+            chunks, error = await take(edge, agen)
+            assert error is None
+            assert [c["token_ids"] for c in chunks] == [[0], [1], [2], [3], [4]]
+            assert chunks[-1]["finish_reason"] == "length"
+
+
+async def test_chunks_pending_while_dynamo_is_busy_are_coalesced_in_order() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_edge() as edge, trio.open_nursery() as nursery:
+
+            async def read_slowly() -> list[dict[str, Any]]:
+                agen = make_handler(edge, nursery, Tokens(50, pause=0))({"token_ids": [1]}, FakeContext())  # type: ignore[arg-type]
+                out = [await agen.__anext__()]
+                await asyncio.sleep(0.3)  # Dynamo busy: the other 49 tokens pile up
+                out.extend([chunk async for chunk in agen])
+                return out
+
+            chunks = await edge.run(read_slowly)
+            assert [t for c in chunks for t in c["token_ids"]] == list(range(50))
+            assert len(chunks) < 10  # typically 2: the first token alone, then the 49 that piled up
+            assert chunks[-1]["finish_reason"] == "length"
+            assert all("finish_reason" not in c for c in chunks[:-1])
 
 
 @pytest.mark.parametrize("kind", list(DynamoErrorKind))

@@ -5,7 +5,16 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from statemachines import REQUEST, WORKER, Lifecycle, MachineKind, RequestLifecycle, WorkerLifecycle
+from statemachines import (
+    KV_SUBSCRIPTION,
+    REQUEST,
+    WORKER,
+    KvSubscriptionLifecycle,
+    Lifecycle,
+    MachineKind,
+    RequestLifecycle,
+    WorkerLifecycle,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -16,8 +25,9 @@ AnyModel = Lifecycle[Any, Any]
 FACTORIES: dict[str, Callable[[], AnyModel]] = {
     "worker": WorkerLifecycle,
     "request": lambda: RequestLifecycle("req-test"),
+    "kv_subscription": lambda: KvSubscriptionLifecycle(0),
 }
-KINDS_UNDER_TEST: tuple[AnyKind, ...] = (WORKER, REQUEST)
+KINDS_UNDER_TEST: tuple[AnyKind, ...] = (WORKER, REQUEST, KV_SUBSCRIPTION)
 
 
 def new_model(kind: AnyKind) -> AnyModel:

@@ -6,6 +6,8 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import statemachines
+
 if TYPE_CHECKING:
     from types import ModuleType
 
@@ -53,7 +55,7 @@ def test_output_is_deterministic_and_free_of_active_state_styling() -> None:
     assert "Class " not in first
     assert "classDef" not in first
     assert "s_active" not in first
-    assert first.count("```mermaid") == 2
+    assert first.count("```mermaid") == len(statemachines.KINDS)
     assert "  failed --> [*]" in first
     assert "  [*] --> starting" in first
     assert "  [*] --> received" in first

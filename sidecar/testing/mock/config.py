@@ -80,6 +80,9 @@ class MockConfig:
     health: HealthFlag = "ready"
     fault_exit_after_requests: int | None = None
     faults_from_prompt: bool = False
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
     stall_timeout: float = 30.0
     log_level: str = "INFO"
 
@@ -177,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--health", choices=["ready", "not_ready", "degraded"], default=d.health)
     p.add_argument("--fault-exit-after-requests", type=_positive_int, default=None, metavar="N")
+    p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS with this certificate (and --tls-key)")
+    p.add_argument("--tls-key", type=Path, default=None)
+    p.add_argument("--tls-client-ca", type=Path, default=None, help="require client certificates signed by this CA")
     p.add_argument(
         "--faults-from-prompt",
         action="store_true",
@@ -226,6 +232,9 @@ def parse_args(argv: Sequence[str] | None = None) -> MockConfig:
         health=ns.health,
         fault_exit_after_requests=ns.fault_exit_after_requests,
         faults_from_prompt=ns.faults_from_prompt,
+        tls_cert=ns.tls_cert,
+        tls_key=ns.tls_key,
+        tls_client_ca=ns.tls_client_ca,
         stall_timeout=ns.stall_timeout,
         log_level=ns.log_level.upper(),
     )

@@ -328,6 +328,8 @@ class Engine:
 
     def __init__(self, config: MockConfig, lm: LanguageModel) -> None:
         self.config = config
+        # SIGUSR1 flips this between None and "not_ready": a running engine going unwell and recovering.
+        self.health_override: str | None = None
         self.lm = lm
         self.pool = BlockPool(config.total_kv_blocks, config.kv_block_size)
         self.live: dict[str, LiveRequest] = {}
@@ -858,6 +860,8 @@ class Engine:
             response.checks.add(name="model", state=hs.HEALTH_STATE_NOT_READY, message="shutting down")
         elif not self.ready:
             response.checks.add(name="model", state=hs.HEALTH_STATE_STARTING, message="loading")
+        elif self.health_override == "not_ready":
+            response.checks.add(name="model", state=hs.HEALTH_STATE_NOT_READY, message="toggled by SIGUSR1")
         elif self.config.health == "not_ready":
             response.checks.add(name="model", state=hs.HEALTH_STATE_NOT_READY, message="engine health check failed")
         elif self.config.health == "degraded":

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import ssl
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,7 +67,7 @@ async def serve(config: MockConfig, lm: LanguageModel | None = None) -> int:
             _keepalive_permit_without_calls=True,
         ),
     )
-    await server.start(config.host, config.port)
+    await server.start(config.host, config.port, ssl=_tls_context(config))
     listener = server._server
     assert listener is not None
     sockets: Sequence[socket.socket] = getattr(listener, "sockets", ())  # asyncio's and uvloop's servers have it
@@ -89,6 +90,7 @@ async def serve(config: MockConfig, lm: LanguageModel | None = None) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, _toggle_health, engine)
     startup = asyncio.create_task(engine.run_startup())
     try:
         await stop.wait()
@@ -104,7 +106,25 @@ async def serve(config: MockConfig, lm: LanguageModel | None = None) -> int:
             log.warning("handlers did not finish after cancellation")
     finally:
         startup.cancel()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
     log.info("stopped")
     return 0
+
+
+def _toggle_health(engine: Engine) -> None:
+    engine.health_override = None if engine.health_override else "not_ready"
+    log.info("SIGUSR1: health now %s", engine.health_override or "as configured")
+
+
+def _tls_context(config: MockConfig) -> ssl.SSLContext | None:
+    """TLS (and, with a client CA, mutual TLS) for tests of the sidecar's TLS option; plaintext h2c otherwise."""
+    if config.tls_cert is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(str(config.tls_cert), str(config.tls_key))
+    context.set_alpn_protocols(["h2"])
+    if config.tls_client_ca is not None:
+        context.load_verify_locations(cafile=str(config.tls_client_ca))
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

@@ -1,0 +1,1 @@
+"""Kubernetes manifests and the container build file under ``deploy/``, validated offline."""

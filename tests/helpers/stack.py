@@ -1,0 +1,146 @@
+"""The serving stack as processes: ``openengine-mock`` engines and ``openengine-sidecar`` workers.
+
+Builds on :mod:`tests.helpers.processes` (same rules: loopback, bounded waits, process groups always killed).
+The engine's own view (GetLoad) is read with the project's OpenEngine client, as an operator's probe would.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import trio
+
+from openengine_bp.openengine.v1 import LoadInfo
+from sidecar.edge import open_edge
+from sidecar.engine import EngineClientConfig, open_engine_client, parse_endpoint
+
+from .processes import DynamoEnv, Process, free_low_port, start_process
+
+MODEL = "tiny-oe"
+MODEL_DIR = Path(__file__).resolve().parents[2] / "sidecar" / "testing" / "mock" / "model"
+
+
+@dataclass
+class Engine:
+    """A running ``openengine-mock``."""
+
+    process: Process
+    address: str
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+
+@dataclass
+class Worker:
+    """A running ``openengine-sidecar``."""
+
+    process: Process
+    system_port: int
+
+    @property
+    def system_url(self) -> str:
+        return f"http://127.0.0.1:{self.system_port}"
+
+
+async def engine_load(address: str) -> LoadInfo:
+    """``Control.GetLoad`` of the engine at ``address``."""
+    async with (
+        open_edge() as edge,
+        open_engine_client(edge, EngineClientConfig(endpoint=parse_endpoint(address), connections=1)) as client,
+    ):
+        return await client.get_load()
+
+
+async def running_requests(address: str) -> int:
+    load = await engine_load(address)
+    assert load.running_requests is not None
+    return load.running_requests
+
+
+async def wait_engine_idle(address: str, timeout: float) -> float:
+    """Poll GetLoad until nothing runs or queues; returns the seconds waited (fails after ``timeout``)."""
+    start = trio.current_time()
+    with trio.fail_after(timeout):
+        while True:
+            load = await engine_load(address)
+            if load.running_requests == 0 and not load.queued_requests:
+                return trio.current_time() - start
+            await trio.sleep(0.01)
+
+
+@asynccontextmanager
+async def start_engine(
+    denv: DynamoEnv, *args: str, name: str = "engine", port: int = 0, model: str = MODEL
+) -> AsyncIterator[Engine]:
+    """Start ``openengine-mock`` (``port`` 0 = OS-picked); yields once its port file exists."""
+    port_file = denv.root / f"{name}.port"
+    port_file.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "sidecar.testing.mock", "--port", str(port), "--port-file", str(port_file)]
+
+    async def listening(_: Process) -> bool:
+        return port_file.exists() and bool(port_file.read_text().strip())
+
+    async with start_process(
+        [*argv, "--served-model-name", model, *args], denv.env, log_path=denv.log_path(name), ready=listening
+    ) as process:
+        yield Engine(process, port_file.read_text().strip())
+
+
+@asynccontextmanager
+async def start_sidecar(
+    denv: DynamoEnv,
+    engine_address: str,
+    *args: str,
+    name: str = "sidecar",
+    model: str = MODEL,
+    ready: str | None = "worker registering -> serving",
+    ready_timeout: float = 60.0,
+    stop_grace: float = 10.0,
+) -> AsyncIterator[Worker]:
+    """Start ``python -m sidecar`` against ``engine_address``; yields once its log says it serves (``ready``)."""
+    system_port = free_low_port()  # Dynamo parses DYN_SYSTEM_PORT as an i16
+    argv = [sys.executable, "-m", "sidecar", "--grpc-endpoint", engine_address, "--model-path", str(MODEL_DIR)]
+    async with start_process(
+        [*argv, "--served-model-name", model, *args],
+        denv.worker_env(DYN_SYSTEM_PORT=str(system_port)),
+        log_path=denv.log_path(name),
+        ready=ready,
+        ready_timeout=ready_timeout,
+        stop_grace=stop_grace,
+    ) as process:
+        yield Worker(process, system_port)
+
+
+def dump_logs(denv: DynamoEnv, lines: int = 40) -> None:
+    """Print every process log's tail (the scratch directory goes away with the test)."""
+    for log in sorted((denv.root / "logs").glob("*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        print(f"===== {log.name} (tail)\n" + "\n".join(tail))
+
+
+async def wait_routable(url: str, workers: int, timeout: float = 30.0) -> None:
+    """Wait until the frontend lists the model and ``workers`` instances, and a tiny request succeeds.
+
+    A worker's own "serving" log line comes before the frontend has seen its instance; requests sent in between
+    never reach it (they fail at the frontend), which would make a fault test pass for the wrong reason.
+    """
+    body = {"model": MODEL, "prompt": "warm up", "max_tokens": 1}
+    with trio.fail_after(timeout):
+        async with httpx.AsyncClient(timeout=10) as http:
+            while True:
+                try:
+                    health = (await http.get(f"{url}/health")).json()
+                    models = [m["id"] for m in (await http.get(f"{url}/v1/models")).json().get("data", [])]
+                    if len(health.get("instances", [])) >= workers and MODEL in models:
+                        if (await http.post(f"{url}/v1/completions", json=body)).status_code == 200:
+                            return
+                except (httpx.HTTPError, ValueError):
+                    pass
+                await trio.sleep(0.05)

@@ -1,0 +1,189 @@
+"""The sidecar's Prometheus metrics: names, bounded labels, what a request records, the machine-count collector."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sidecar.errors import (
+    EngineFailure,
+    EngineGone,
+    EngineRpcError,
+    GrpcCode,
+    ProtocolViolation,
+    RequestRejected,
+    Violation,
+    WorkerDraining,
+)
+from sidecar.ops import metrics
+from statemachines import REQUEST, RequestLifecycle
+
+# Every family the issue asks for, by its exposed name (counters get `_total` from prometheus-client).
+EXPECTED = {
+    "openengine_sidecar_requests_received": "counter",
+    "openengine_sidecar_requests_ended": "counter",
+    "openengine_sidecar_time_to_first_token_seconds": "histogram",
+    "openengine_sidecar_inter_token_latency_seconds": "histogram",
+    "openengine_sidecar_input_tokens": "counter",
+    "openengine_sidecar_output_tokens": "counter",
+    "openengine_sidecar_aborts": "counter",
+    "openengine_sidecar_abort_latency_seconds": "histogram",
+    "openengine_sidecar_protocol_violations": "counter",
+    "openengine_sidecar_engine_rpc_duration_seconds": "histogram",
+    "openengine_sidecar_worker_state": "gauge",
+    "openengine_sidecar_requests_in_state": "gauge",
+    "openengine_sidecar_requests_terminal": "counter",
+    "openengine_sidecar_lifecycles_abandoned": "counter",
+    "openengine_sidecar_engine_reconnects": "counter",
+    "openengine_sidecar_health_transitions": "counter",
+    "openengine_sidecar_registration_restores": "counter",
+    "openengine_sidecar_kv_event_lag_seconds": "histogram",
+    "openengine_sidecar_kv_event_resyncs": "counter",
+}
+
+# Label names allowed anywhere, and the only values each may take (None: the set is fixed by code, checked below).
+BOUNDED_LABELS = {
+    "outcome",
+    "state",
+    "violation",
+    "result",
+    "rpc",
+    "code",
+    "stage",
+    "change",
+    "reason",
+    "machine",
+    "le",
+}
+
+
+def families() -> dict[str, str]:
+    return {f.name: f.type for f in text_string_to_metric_families(metrics.exposition())}
+
+
+def sample(name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(metrics.exposition()):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return 0.0
+
+
+def test_every_family_is_exported_with_prometheus_conventions() -> None:
+    found = families()
+    for name, kind in EXPECTED.items():
+        assert found.get(name) == kind, name
+    text = metrics.exposition()
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{")[0].split(" ")[0]
+        assert name.startswith("openengine_sidecar_"), line
+        assert not name.endswith("_created"), line  # disabled: noise on Dynamo's page
+    for family in text_string_to_metric_families(text):
+        if family.type == "counter":
+            assert all(s.name.endswith("_total") for s in family.samples), family.name
+        if family.type == "histogram":
+            assert family.name.endswith("_seconds"), family.name
+    # No process or GC collectors: Dynamo's system port page is not ours to fill with them.
+    assert "process_" not in text
+    assert "python_gc" not in text
+
+
+def test_labels_are_bounded_and_never_request_ids() -> None:
+    RequestLifecycle("label-check").fire("reject")
+    for family in text_string_to_metric_families(metrics.exposition()):
+        for s in family.samples:
+            assert set(s.labels) <= BOUNDED_LABELS, (family.name, s.labels)
+            assert "label-check" not in s.labels.values()
+
+
+def test_request_states_come_from_the_machine_counts() -> None:
+    before = sample("openengine_sidecar_requests_in_state", state="submitted")
+    finished = sample("openengine_sidecar_requests_terminal_total", state="finished")
+    request = RequestLifecycle("collector")
+    request.fire("submit")
+    assert sample("openengine_sidecar_requests_in_state", state="submitted") == before + 1
+    request.fire("finish")
+    assert sample("openengine_sidecar_requests_in_state", state="submitted") == before
+    assert sample("openengine_sidecar_requests_terminal_total", state="finished") == finished + 1
+    assert sample("openengine_sidecar_requests_terminal_total", state="finished") == REQUEST.counts()["finished"]
+
+
+def test_a_request_records_tokens_ttft_itl_and_its_generate_rpc_once() -> None:
+    ttft = sample("openengine_sidecar_time_to_first_token_seconds_count")
+    itl = sample("openengine_sidecar_inter_token_latency_seconds_count")
+    tokens_in = sample("openengine_sidecar_input_tokens_total")
+    tokens_out = sample("openengine_sidecar_output_tokens_total")
+    rpcs = sample("openengine_sidecar_engine_rpc_duration_seconds_count", rpc="Generate", code="OK")
+
+    stats = metrics.RequestStats(prompt_tokens=7)
+    stats.chunks([{"token_ids": []}])  # no tokens: no first token yet
+    assert sample("openengine_sidecar_time_to_first_token_seconds_count") == ttft
+    stats.chunks([{"token_ids": [1, 2]}, {"token_ids": [3]}])
+    stats.chunks([{"token_ids": [4], "finish_reason": "stop"}])
+    stats.end(code="OK")
+
+    assert sample("openengine_sidecar_time_to_first_token_seconds_count") == ttft + 1
+    assert sample("openengine_sidecar_inter_token_latency_seconds_count") == itl + 1
+    assert sample("openengine_sidecar_input_tokens_total") == tokens_in + 7
+    assert sample("openengine_sidecar_output_tokens_total") == tokens_out + 4
+    assert sample("openengine_sidecar_engine_rpc_duration_seconds_count", rpc="Generate", code="OK") == rpcs + 1
+
+
+def test_a_single_token_request_has_no_inter_token_latency() -> None:
+    itl = sample("openengine_sidecar_inter_token_latency_seconds_count")
+    stats = metrics.RequestStats(prompt_tokens=1)
+    stats.chunks([{"token_ids": [9]}])
+    stats.end(code="OK")
+    assert sample("openengine_sidecar_inter_token_latency_seconds_count") == itl
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (None, "OK"),
+        (EngineRpcError("Generate", GrpcCode.UNAVAILABLE, "gone"), "UNAVAILABLE"),
+        (EngineRpcError("Generate", GrpcCode.RESOURCE_EXHAUSTED, ""), "RESOURCE_EXHAUSTED"),
+        (EngineFailure(3, "bad", retryable=False), "OK"),
+        (ProtocolViolation(Violation.MISSING_USAGE, "x"), "OK"),
+        (GeneratorExit(), "CANCELLED"),
+        (WorkerDraining("drain deadline"), "CANCELLED"),
+        (EngineGone("lost"), "CANCELLED"),
+        (RequestRejected("x", "y"), "UNKNOWN"),
+        (RuntimeError("bug"), "UNKNOWN"),
+    ],
+)
+def test_generate_status_label(error: BaseException | None, code: str) -> None:
+    assert metrics.rpc_code(error) == code
+    assert re.fullmatch(r"[A-Z_]+", code)
+
+
+def test_worker_state_gauge_has_exactly_one_state_set() -> None:
+    metrics.mark_worker_state("serving")
+    values = {
+        s.labels["state"]: s.value
+        for f in text_string_to_metric_families(metrics.exposition())
+        if f.name == "openengine_sidecar_worker_state"
+        for s in f.samples
+    }
+    assert values["serving"] == 1
+    assert sum(values.values()) == 1
+    metrics.mark_worker_state("starting")
+
+
+def test_typed_families_mirror_the_exposition() -> None:
+    typed = metrics.typed_families()
+    names = {name for name, *_ in typed}
+    assert set(EXPECTED) <= names
+    for name, help_text, kind, unit, samples in typed:
+        assert help_text
+        assert kind in ("counter", "gauge", "histogram")
+        assert unit == ""
+        for sample_name, labels, value, timestamp in samples:
+            assert sample_name.startswith(name)
+            assert all(isinstance(k, str) and isinstance(v, str) for k, v in labels)
+            assert isinstance(value, float)
+            assert timestamp is None

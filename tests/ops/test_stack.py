@@ -1,0 +1,145 @@
+"""The operator surface of a real worker: the real Dynamo frontend → ``openengine-sidecar`` → ``openengine-mock``.
+
+* the system port's ``/metrics`` shows our ``openengine_sidecar_*`` series next to Dynamo's ``dynamo_component_*``
+  after requests (what an operator's ``curl`` sees);
+* the ops port's websocket feed shows each request's transitions in order, the CLI's ``status``/``watch`` read it;
+* every log line of the worker is JSON with the worker state, request lines carry the request id;
+* ``openengine-sidecar probe`` answers for the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from typing import TYPE_CHECKING
+
+import httpx
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+from trio_websocket import open_websocket_url
+
+from tests.helpers.processes import free_port, wait_for_model
+from tests.helpers.stack import MODEL, start_engine, start_sidecar
+
+if TYPE_CHECKING:
+    from tests.helpers.processes import DynamoEnv, Frontend, Process
+
+pytestmark = pytest.mark.e2e
+
+TIMEOUT = 120
+
+
+async def ops_port(process: Process) -> int:
+    match = await process.wait_for_log(r"live state page http://127\.0\.0\.1:(\d+)/", timeout=30)
+    return int(match.group(1))
+
+
+async def chat(frontend: Frontend, text: str, max_tokens: int = 12, stream: bool = False) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+    if stream:
+        body["stream"] = True
+    async with httpx.AsyncClient(timeout=60) as client:
+        response = await client.post(f"{frontend.url}/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response
+
+
+_OURS = ("outcome", "rpc", "code", "state")
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``(name, our labels sorted) -> value`` (Dynamo's injected labels, if any, left out)."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k in _OURS))
+            out[(s.name, labels)] = float(s.value)
+    return out
+
+
+async def run_cli(*args: str, timeout: float = 30) -> str:
+    with trio.fail_after(timeout):
+        result = await trio.run_process(
+            [sys.executable, "-m", "sidecar", *args], capture_stdout=True, capture_stderr=True, check=False
+        )
+    out = result.stdout.decode() + result.stderr.decode()
+    assert result.returncode == 0, out
+    return out
+
+
+async def test_metrics_feed_cli_and_logs_of_a_real_worker(dynamo_env: DynamoEnv, frontend: Frontend) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with (
+            start_engine(dynamo_env, "--speedup", "0") as engine,
+            start_sidecar(
+                dynamo_env, engine.address, "--ops-port", "0", "--log-format", "json", "--log-level", "debug"
+            ) as worker,
+        ):
+            await wait_for_model(frontend.url, MODEL, timeout=60)
+            port = await ops_port(worker.process)
+            async with open_websocket_url(f"ws://127.0.0.1:{port}/ws") as ws:
+                snapshot = json.loads(await ws.get_message())
+                assert snapshot["worker"]["state"] == "serving"
+                await chat(frontend, "Tell me about the river.")
+                await chat(frontend, "And the sea?", stream=True)
+                seen: dict[str, list[str]] = {}
+                while sum(events[-1:] == ["finish"] for events in seen.values()) < 2:
+                    message = json.loads(await ws.get_message())
+                    for event in message["events"]:
+                        if event["machine"] == "request":
+                            seen.setdefault(event["id"], []).append(event["event"])
+            assert list(seen.values()) == [["submit", "first_token", "finish"]] * 2
+
+            async with httpx.AsyncClient(timeout=10) as client:
+                text = (await client.get(f"{worker.system_url}/metrics")).text
+                assert (await client.get(f"{worker.system_url}/health")).status_code == 200
+            print("\n".join(line for line in text.splitlines() if line.startswith("openengine_sidecar_requests")))
+            assert re.search(r"^dynamo_component_requests_total\{.*\} [1-9]", text, re.MULTILINE)
+            values = samples(text)
+            assert values[("openengine_sidecar_requests_ended_total", (("outcome", "finished"),))] == 2
+            assert values[("openengine_sidecar_requests_terminal_total", (("state", "finished"),))] == 2
+            assert values[("openengine_sidecar_time_to_first_token_seconds_count", ())] == 2
+            assert values[("openengine_sidecar_output_tokens_total", ())] > 2
+            assert values[("openengine_sidecar_input_tokens_total", ())] > 2
+            generate_ok = (("code", "OK"), ("rpc", "Generate"))
+            assert values[("openengine_sidecar_engine_rpc_duration_seconds_count", generate_ok)] == 2
+            assert values[("openengine_sidecar_worker_state", (("state", "serving"),))] == 1
+
+            status = await run_cli("status", "--ops-url", f"ws://127.0.0.1:{port}/ws", "--json")
+            assert json.loads(status)["counts"]["request"]["finished"] == 2
+            watched = await run_cli("watch", "--ops-url", f"ws://127.0.0.1:{port}/ws", "--duration-secs", "1")
+            assert "worker serving" in watched
+            assert "finished" in watched
+            probe = await run_cli("probe", "--grpc-endpoint", engine.address)
+            assert "READY" in probe
+
+        lines = [line for line in worker.process.log().splitlines() if line.startswith("{")]
+        ours = [json.loads(line) for line in lines]
+        assert ours, "no JSON log lines"
+        assert all("worker_state" in line and "request_id" in line for line in ours)
+        with_id = {line["request_id"] for line in ours if line["request_id"]}
+        assert set(seen) <= with_id  # --log-level debug logs every request with its id
+        assert ours[-1]["worker_state"] == "stopped"
+
+
+async def test_probe_fails_for_an_engine_that_is_not_there() -> None:
+    with trio.fail_after(30):
+        result = await trio.run_process(
+            [
+                sys.executable,
+                "-m",
+                "sidecar",
+                "probe",
+                "--grpc-endpoint",
+                f"127.0.0.1:{free_port()}",
+                "--timeout-secs",
+                "1",
+            ],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    assert result.returncode == 1
+    assert b"UNAVAILABLE" in result.stderr or b"no answer" in result.stderr
