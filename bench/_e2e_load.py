@@ -56,6 +56,7 @@ class LoadConfig:
     timeout_s: float
     deadline_s: float
     hold_s: float = 0.0
+    annotations: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -87,7 +88,7 @@ async def one_request(client: AsyncOpenAI, cfg: LoadConfig, table: Table, number
         seed=seed,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, **({"nvext": {"annotations": cfg.annotations}} if cfg.annotations else {})},
     ) as response:
         if response.status_code != 200:
             return Outcome(error=f"HTTP {response.status_code}: {(await response.read())[:200]!r}")

@@ -47,18 +47,27 @@ class Tokens:
             self._streams = {(prompt, seed): stream.ids for seed, stream in table.streams.items()}
 
     def lookup(self, request: dict[str, Any]) -> list[int] | None:
-        key = (tuple(request.get("token_ids") or ()), (request.get("sampling_options") or {}).get("seed"))
+        seed = (request.get("sampling_options") or {}).get("seed")
+        key = (tuple(request.get("token_ids") or ()), int(seed) if seed is not None else -1)
         max_tokens = (request.get("stop_conditions") or {}).get("max_tokens")
-        ids = self._streams.get(key)  # type: ignore[arg-type]
+        ids = self._streams.get(key)
         if ids is None:
             self._reload()
-            ids = self._streams.get(key)  # type: ignore[arg-type]
+            ids = self._streams.get(key)
         if ids is None or max_tokens is None or max_tokens > len(ids):
             tmp = self._record.with_suffix(".tmp")
             tmp.write_text(json.dumps(request))
             tmp.replace(self._record)
             return None
         return ids[:max_tokens]
+
+
+def _pace_s(request: dict[str, Any]) -> float:
+    for annotation in request.get("annotations") or ():
+        key, _, value = str(annotation).partition(":")
+        if key == "pace_ms":
+            return float(value) / 1000
+    return 0.0
 
 
 def make_generate(tokens: Tokens) -> Any:
@@ -69,8 +78,14 @@ def make_generate(tokens: Tokens) -> Any:
             usage = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
             yield {"token_ids": [], "index": 0, "finish_reason": "stop", "completion_usage": usage}
             return
+        pace = _pace_s(request)
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         last = len(ids) - 1
         for i, token in enumerate(ids):
+            if pace:  # an engine's decode step (bench.e2e's paced run); absolute deadlines, so no drift
+                due += pace
+                await asyncio.sleep(due - loop.time())
             if i < last:
                 yield {"token_ids": [token], "index": 0}
             else:

@@ -72,7 +72,7 @@ END: Final = "<!-- bench.e2e results: end -->"
 # The mock's capacity, and the same figures in the baseline's registration (the sidecar reads them from the mock).
 CONTEXT_LENGTH: Final = 4096
 KV_BLOCK_SIZE: Final = 16
-TOTAL_KV_BLOCKS: Final = 65536
+TOTAL_KV_BLOCKS: Final = 262144
 MAX_RUNNING: Final = 1024
 MAX_BATCHED_TOKENS: Final = 8192
 
@@ -91,11 +91,15 @@ class Plan:
     seeds: list[int]
     min_requests: int
     requests_per_slot: int
+    warmup_requests: int
+    #: Paced engine (``--speedup 1``, this many ms per decode step), concurrency 1: the added per-token latency.
+    paced_ms: float
+    paced_requests: int
+    paced_max_tokens: int
+    #: Memory: this many requests in flight at once on the paced engine, held for ``hold_s``, then cancelled.
     memory_requests: int
     memory_max_tokens: int
-    memory_decode_ms: float
     hold_s: float
-    warmup_requests: int
 
     def requests(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_slot * concurrency)
@@ -108,11 +112,13 @@ FULL: Final = Plan(
     seeds=list(range(1000, 1008)),
     min_requests=48,
     requests_per_slot=3,
-    memory_requests=1000,
-    memory_max_tokens=200,
-    memory_decode_ms=40.0,
-    hold_s=3.0,
     warmup_requests=32,
+    paced_ms=10.0,
+    paced_requests=16,
+    paced_max_tokens=50,
+    memory_requests=1000,
+    memory_max_tokens=2000,
+    hold_s=3.0,
 )
 QUICK: Final = Plan(
     intervals=[1, 5],
@@ -121,11 +127,13 @@ QUICK: Final = Plan(
     seeds=list(range(1000, 1004)),
     min_requests=12,
     requests_per_slot=2,
-    memory_requests=100,
-    memory_max_tokens=32,
-    memory_decode_ms=40.0,
-    hold_s=1.0,
     warmup_requests=8,
+    paced_ms=10.0,
+    paced_requests=4,
+    paced_max_tokens=20,
+    memory_requests=100,
+    memory_max_tokens=2000,
+    hold_s=1.0,
 )
 
 
@@ -316,7 +324,7 @@ async def build_table(stack: Stack, plan: Plan, prompt_ids: list[int], path: Pat
     from tokenizers import Tokenizer
 
     config = {"target": stack.mock_target, "mode": "table", "prompt_ids": prompt_ids,
-              "max_tokens": max(plan.max_tokens, plan.memory_max_tokens), "seeds": plan.seeds}  # fmt: skip
+              "max_tokens": max(plan.max_tokens, plan.paced_max_tokens), "seeds": plan.seeds}  # fmt: skip
     result = await run_child("bench._e2e_ceiling", config, stack.work, 120)
     tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
     streams: dict[int, Stream] = {}
@@ -339,9 +347,10 @@ async def learn_prompt(stack: Stack, record: Path) -> list[int]:
     return list(request["token_ids"])
 
 
-async def warm_up(stack: Stack, plan: Plan, table: Path) -> None:
-    for model in (MODEL_A, MODEL_B):
+async def warm_up(stack: Stack, plan: Plan, table: Path, models: tuple[str, ...], max_tokens: int) -> None:
+    for model in models:
         config = load_config(stack.frontend.url, model, plan, table, 4, plan.warmup_requests)
+        config["max_tokens"] = max_tokens
         result = await run_child("bench._e2e_load", config, stack.work, 120)
         if result["failed"] or result["completed"] != plan.warmup_requests:
             raise RuntimeError(f"warm-up through {model} failed: {result['errors']}")
@@ -354,7 +363,7 @@ async def memory_test(stack: Stack, plan: Plan, table: Path) -> dict[str, Any]:
     pid = stack.sidecar.pid
     await trio.sleep(1.0)
     idle_fresh = process_rss_bytes(pid)
-    await warm_up_b_only(stack, plan, table)
+    await warm_up(stack, plan, table, (MODEL_B,), plan.paced_max_tokens)
     await trio.sleep(1.0)
     idle_warm = process_rss_bytes(pid)
     config = load_config(stack.frontend.url, MODEL_B, plan, table, plan.memory_requests, plan.memory_requests)
@@ -388,10 +397,31 @@ async def memory_test(stack: Stack, plan: Plan, table: Path) -> dict[str, Any]:
     return out
 
 
-async def warm_up_b_only(stack: Stack, plan: Plan, table: Path) -> None:
-    config = load_config(stack.frontend.url, MODEL_B, plan, table, 8, plan.warmup_requests)
-    config["max_tokens"] = plan.memory_max_tokens
-    await run_child("bench._e2e_load", config, stack.work, 180)
+async def paced(stack: Stack, plan: Plan, table: Path) -> dict[str, Any]:
+    """Concurrency 1 against an engine with real decode time: what the sidecar adds to each token's latency.
+
+    The baseline worker sleeps ``paced_ms`` before each token (``nvext.annotations: pace_ms``), the mock runs with
+    ``--speedup 1 --decode-ms-per-token paced_ms`` (one sequence: each step lasts exactly that)."""
+    out: dict[str, Any] = {"pace_ms": plan.paced_ms}
+    for path, model in (("A", MODEL_A), ("B", MODEL_B)):
+        config = load_config(stack.frontend.url, model, plan, table, 1, plan.paced_requests)
+        config["max_tokens"] = plan.paced_max_tokens
+        if path == "A":
+            config["annotations"] = [f"pace_ms:{plan.paced_ms:g}"]
+        result = await run_child("bench._e2e_load", config, stack.work, 300)
+        keys = ("completed", "failed", "lost", "errors", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+                "tokens_per_chunk")  # fmt: skip
+        out[path] = {key: result[key] for key in keys}
+        out[path]["requests"] = plan.paced_requests
+        status = "FAILED " + "; ".join(result["errors"]) if result["failed"] else "ok"
+        log(
+            f"  paced {path} c=1: TTFT p50 {result['ttft_p50_ms']:.1f} ms, ITL p50 {result['itl_p50_ms']:.2f} ms "
+            f"p99 {result['itl_p99_ms']:.2f} ms, {result['tokens_per_chunk']:.2f} tok/chunk "
+            f"[{result['completed']}/{plan.paced_requests} {status}]"
+        )
+    out["added_itl_p50_ms"] = out["B"]["itl_p50_ms"] - out["A"]["itl_p50_ms"]
+    out["added_ttft_p50_ms"] = out["B"]["ttft_p50_ms"] - out["A"]["ttft_p50_ms"]
+    return out
 
 
 async def run(plan: Plan) -> dict[str, Any]:
@@ -430,22 +460,24 @@ async def run(plan: Plan) -> dict[str, Any]:
                     idle[f"s={interval}"] = process_rss_bytes(stack.sidecar.pid) / MiB
                     log(f"engine messages of {interval} token(s): mock {stack.mock_target}, sidecar pid "
                         f"{stack.sidecar.pid}, idle RSS {idle[f's={interval}']:.1f} MiB")  # fmt: skip
-                    await warm_up(stack, plan, table)
+                    await warm_up(stack, plan, table, (MODEL_A, MODEL_B), plan.max_tokens)
                     for concurrency in plan.concurrencies:
                         requests = plan.requests(concurrency)
                         for path in ("A", "B", "C"):
                             points.append(await measure(stack, path, interval, concurrency, requests, plan, table))
                     _drop_block(stack)
             async with AsyncExitStack() as block:
-                await start_mock(stack, block, 1, slow_ms=plan.memory_decode_ms)
+                await start_mock(stack, block, 1, slow_ms=plan.paced_ms)
                 await start_sidecar(stack, block, nursery)
                 memory = await memory_test(stack, plan, table)
+                paced_result = await paced(stack, plan, table)
                 _drop_block(stack)
             nursery.cancel_scope.cancel()
     return {
         "points": points,
         "idle_rss_mib": idle,
         "memory": memory,
+        "paced": paced_result,
         "elapsed_s": time.monotonic() - started,
     }
 
@@ -493,6 +525,9 @@ def summarize(plan: Plan, data: dict[str, Any]) -> dict[str, Any]:
         if row["concurrency"] == 1:
             goals.append(_goal(f"added ITL p50 B − A at c=1, {row['interval']} tok/msg (ms)",
                                row["added_itl_p50_ms"], "≤", GOAL_ADDED_ITL_MS))  # fmt: skip
+    pacing = data["paced"]
+    goals.append(_goal(f"added ITL p50 B − A at c=1, engine paced at {pacing['pace_ms']:g} ms/token (ms)",
+                       pacing["added_itl_p50_ms"], "≤", GOAL_ADDED_ITL_MS))  # fmt: skip
     for interval in plan.intervals:
         if 64 in plan.concurrencies:
             cpu = _point(points, "B", interval, 64)["cpu_s_per_1k_tokens"].get("sidecar", math.nan)
@@ -503,7 +538,8 @@ def summarize(plan: Plan, data: dict[str, Any]) -> dict[str, Any]:
     goals.append(_goal("idle sidecar RSS (MiB)", idle, "≤", GOAL_IDLE_RSS_MIB))
     goals.append(_goal(f"sidecar KiB per in-flight request at {memory['requests']}", memory["per_request_kib"], "≤",
                        GOAL_PER_REQUEST_KIB))  # fmt: skip
-    bad = sum(p["failed"] + p["lost"] + (p["requests"] - p["completed"] - p["failed"] - p["lost"]) for p in points)
+    counted = [*points, pacing["A"], pacing["B"]]
+    bad = sum(p["requests"] - p["completed"] for p in counted) + memory["failed"]
     goals.append(_goal("requests lost, failed or mis-ordered", float(bad), "≤", 0.0))
     return {"rows": rows, "goals": goals, "bad_requests": bad}
 
@@ -553,6 +589,16 @@ def markdown(plan: Plan, data: dict[str, Any], summary: dict[str, Any], images: 
                 f"| {_f(a['cpu_s_per_1k_tokens'].get('worker_a'), 3)} | {_f(b.get('sidecar_rss_peak_mib'), 1)} |"
             )
         lines.append("")
+    pacing = data["paced"]
+    a, b = pacing["A"], pacing["B"]
+    lines.append(
+        f"**Engine paced at {pacing['pace_ms']:g} ms per token, concurrency 1** ({plan.paced_requests} requests of "
+        f"{plan.paced_max_tokens} tokens): TTFT p50 A {_f(a['ttft_p50_ms'], 1)} / B {_f(b['ttft_p50_ms'], 1)} ms, "
+        f"ITL p50 A {_f(a['itl_p50_ms'], 2)} / B {_f(b['itl_p50_ms'], 2)} ms (p99 {_f(a['itl_p99_ms'], 2)} / "
+        f"{_f(b['itl_p99_ms'], 2)}), tokens per chunk A {_f(a['tokens_per_chunk'], 2)} / B "
+        f"{_f(b['tokens_per_chunk'], 2)}: the sidecar adds **{_f(pacing['added_itl_p50_ms'], 3)} ms** per token (p50)."
+    )
+    lines.append("")
     memory = data["memory"]
     lines.append(
         f"Sidecar memory: idle {_f(memory['idle_rss_mib'], 1)} MiB (fresh), "
@@ -636,6 +682,12 @@ def print_report(plan: Plan, data: dict[str, Any], summary: dict[str, Any]) -> N
             f"{_f(b['itl_p50_ms'], 2):>8} {_f(a['ttft_p50_ms'], 1):>9} {_f(b['ttft_p50_ms'], 1):>9} "
             f"{_f(b['cpu_s_per_1k_tokens'].get('sidecar'), 3):>12}"
         )
+    pacing = data["paced"]
+    log(
+        f"paced engine ({pacing['pace_ms']:g} ms/token), c=1: ITL p50 A {_f(pacing['A']['itl_p50_ms'], 2)} "
+        f"B {_f(pacing['B']['itl_p50_ms'], 2)} ms; TTFT p50 A {_f(pacing['A']['ttft_p50_ms'], 1)} "
+        f"B {_f(pacing['B']['ttft_p50_ms'], 1)} ms; B tokens/chunk {_f(pacing['B']['tokens_per_chunk'], 2)}"
+    )
     log()
     for goal in summary["goals"]:
         log(

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
-from http import HTTPStatus
 from functools import partial
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Final
 from urllib.parse import urlsplit
 

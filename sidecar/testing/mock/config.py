@@ -12,6 +12,7 @@ from typing import Literal
 
 __all__ = [
     "CAPABILITY_NAMES",
+    "KV_FAULT_KINDS",
     "SCHEMA_RELEASE_FULL",
     "SCHEMA_RELEASE_PREFIX",
     "Capabilities",
@@ -26,6 +27,9 @@ SCHEMA_RELEASE_PREFIX = SCHEMA_RELEASE_FULL[:12]
 
 Role = Literal["aggregated", "prefill", "decode", "unspecified"]
 HealthFlag = Literal["ready", "not_ready", "degraded"]
+KvEventsFlag = Literal["grpc", "disabled", "unimplemented"]
+#: ``--kv-fault`` kinds (``kvevents.py``): what happens to one batch of the KV event stream.
+KV_FAULT_KINDS = ("gap", "repeat", "drop", "error", "eof")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,7 +88,14 @@ class MockConfig:
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
     stall_timeout: float = 30.0
+    kv_session_timeout: float = 60.0
+    kv_transfer_ms: float = 2.0
+    no_cache_transceiver: bool = False
     log_level: str = "INFO"
+    kv_events: KvEventsFlag = "grpc"
+    kv_snapshot: bool = True
+    #: ``(batch sequence number, fault kind)`` pairs from ``--kv-fault KIND@N``.
+    kv_faults: tuple[tuple[int, str], ...] = ()
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -132,6 +143,14 @@ def _positive_float(text: str) -> float:
     if not value > 0.0:
         raise argparse.ArgumentTypeError(f"must be > 0: {text}")
     return value
+
+
+def _kv_fault(text: str) -> tuple[int, str]:
+    kind, sep, number = text.partition("@")
+    if not sep or kind not in KV_FAULT_KINDS or not number.isdigit() or int(number) <= 0:
+        kinds = ", ".join(KV_FAULT_KINDS)
+        raise argparse.ArgumentTypeError(f"expected KIND@N with KIND in {kinds} and N >= 1; got {text!r}")
+    return int(number), kind
 
 
 def _package_version() -> str:
@@ -191,7 +210,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stall-timeout", type=_positive_float, default=d.stall_timeout, help="stalled-consumer watchdog seconds"
     )
+    p.add_argument(
+        "--kv-session-timeout",
+        type=_non_negative_float,
+        default=d.kv_session_timeout,
+        help="seconds a prefill leg's KV session is held for a decode claim before it is released; 0 = forever",
+    )
+    p.add_argument(
+        "--kv-transfer-ms",
+        type=_non_negative_float,
+        default=d.kv_transfer_ms,
+        help="model time of one KV transfer to a decode engine (divided by --speedup)",
+    )
+    p.add_argument(
+        "--no-cache-transceiver",
+        action="store_true",
+        help="behave like TensorRT-LLM without cache_transceiver_config: no kv_connector, and a context-only "
+        "request is a plain one-token generation (finished LENGTH, no PrefillReady)",
+    )
     p.add_argument("--log-level", default=d.log_level)
+    p.add_argument(
+        "--kv-events",
+        choices=["grpc", "disabled", "unimplemented"],
+        default=d.kv_events,
+        help="grpc: stream KV events over SubscribeKvEvents; disabled: no sources; unimplemented: both KV-event RPCs "
+        "answer UNIMPLEMENTED, as TensorRT-LLM's baseline [%(default)s]",
+    )
+    p.add_argument(
+        "--kv-snapshot",
+        action=argparse.BooleanOptionalAction,
+        default=d.kv_snapshot,
+        help="honour SubscribeKvEvents.include_snapshot (--no-kv-snapshot: refuse it with UNIMPLEMENTED)",
+    )
+    p.add_argument(
+        "--kv-fault",
+        type=_kv_fault,
+        action="append",
+        default=[],
+        metavar="KIND@N",
+        help=f"break KV event batch #N once; KIND in {', '.join(KV_FAULT_KINDS)} (repeatable)",
+    )
     return p
 
 
@@ -236,5 +294,11 @@ def parse_args(argv: Sequence[str] | None = None) -> MockConfig:
         tls_key=ns.tls_key,
         tls_client_ca=ns.tls_client_ca,
         stall_timeout=ns.stall_timeout,
+        kv_session_timeout=ns.kv_session_timeout,
+        kv_transfer_ms=ns.kv_transfer_ms,
+        no_cache_transceiver=ns.no_cache_transceiver,
         log_level=ns.log_level.upper(),
+        kv_events=ns.kv_events,
+        kv_snapshot=ns.kv_snapshot,
+        kv_faults=tuple(ns.kv_fault),
     )

@@ -15,7 +15,9 @@ Every accepted ``Generate`` runs as its own asyncio task (the grpclib handler) t
   starves other streams, even at zero delay.
 
 All waits of a request go through :meth:`LiveRequest.wait`, which ``Abort`` interrupts; client cancellation arrives as
-``CancelledError`` at the same points. Whatever ends a request, :meth:`Engine._finish` releases its id and blocks.
+``CancelledError`` at the same points. Whatever ends a request, :meth:`Engine._finish` releases its id and blocks --
+except a prefill leg that handed off: its blocks go to a held KV session until a decode engine claims them
+(``kvsessions``), and a decode leg claims its session (the "KV transfer") in place of computing the prompt.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from openengine.v1 import error_pb2, generation_pb2, kv_pb2, lifecycle_pb2, lora
 
 from .faults import MockFaults
 from .kvcache import Allocation, Block, BlockPool, block_hash, block_namespace, prompt_block_hashes
+from .kvsessions import KvClaimError, KvSessionStore, claim_session, prompt_digest
 from .structs import fill_struct
 from .textstream import OutputText
 from .validate import PROMPT_LOGPROB_LIMIT, Rejection, RequestPlan, validate_request
@@ -343,6 +346,14 @@ class Engine:
         self._counts = dict.fromkeys(RequestState, 0)
         self._decoding_sequences = 0
         self._sessions = 0
+        self.kv_sessions = KvSessionStore(
+            timeout_s=config.kv_session_timeout,
+            transfer_s=self._time(config.kv_transfer_ms / 1000.0),
+            on_release=self._pump,
+        )
+        #: What this engine served, by kind (``ServerInfo.extra.mock_stats``): prefill legs, decode legs, whole
+        #: requests, plus the KV session counters of ``kv_sessions``.
+        self.served: collections.Counter[str] = collections.Counter()
         self._probes = 0
         self._probe: asyncio.Future[tuple[lifecycle_pb2.HealthState, str]] | None = None
         self._eos = frozenset(lm.eos_token_ids)
@@ -406,6 +417,8 @@ class Engine:
         try:
             await self._admit(req)
             await self._prefill(req)
+            kind = "prefill_legs" if plan.context_only else "decode_legs" if plan.session is not None else "requests"
+            self.served[kind] += 1
             outputs = self._make_outputs(req)
             self._set_state(req, RequestState.DECODE)
             if await self._fault_point(req, em, outputs, drop):
@@ -432,6 +445,10 @@ class Engine:
             await em.error(error_pb2.ERROR_CODE_OVERLOADED, "response consumer stalled", True)
         except _ConnectionDropped:
             log.warning("request %r: dropped the connection (extra.mock.drop_after_tokens)", plan.request_id)
+        except KvClaimError as exc:
+            log.warning("request %r: KV transfer failed: %s", plan.request_id, exc.message)
+            self.served["decode_kv_failures"] += 1
+            await em.error(exc.code, exc.message, False)
         except Exception as exc:
             log.exception("request %r failed", plan.request_id)
             if not req.terminal_sent:
@@ -530,7 +547,7 @@ class Engine:
         if plan.session is None:  # a decode leg receives its KV instead of computing it
             await req.wait(self._time((req.prompt_len - req.cached_tokens) / self.config.prefill_tokens_per_s))
         else:
-            await req.wait(0)
+            await self._receive_kv(req)
         parent = req.prompt_hashes[hits - 1] if hits else None
         for i in range(hits, len(req.prompt_hashes)):
             block = alloc.take()
@@ -715,26 +732,74 @@ class Engine:
                 await em.finished(out.index, end[0], end[1], last=last)
 
     async def _context_only(self, req: LiveRequest, em: _Emitter, out: _Output) -> None:
-        """The prefill leg: the first token, then ``PrefillReady`` (terminal, with usage, no ``finished``)."""
+        """The prefill leg: the first token, then ``PrefillReady`` (terminal, with usage, no ``finished``).
+
+        The KV blocks stay pinned in a held session until a decode engine claims them (or the session times out).
+        A first token that ends the output by a stop (EOS, a stop token or string) is a complete answer: no handoff,
+        ``finished(STOP)`` as TensorRT-LLM does. Without a cache transceiver (``--no-cache-transceiver``) the leg is a
+        plain one-token generation: ``finished(LENGTH)``, no handoff.
+        """
+        plan = req.plan
         token = self._next_token(req, out)
-        if token is not None:
-            self._append(req, out, token)
+        end = self._append(req, out, token) if token is not None else None
         self._end_output(req, out)
-        await self._flush(em, req.plan, out, final=True)
-        await em.prefill_ready(self._session(req, token[0] if token is not None else None))
+        await self._flush(em, plan, out, final=True)
+        if end is not None and end[0] == generation_pb2.FINISH_REASON_STOP:
+            self.served["prefill_early_stops"] += 1
+            await em.finished(out.index, end[0], end[1], last=True)
+            return
+        if self.config.no_cache_transceiver:
+            await em.finished(out.index, generation_pb2.FINISH_REASON_LENGTH, None, last=True)
+            return
+        session = self._session(req, token[0] if token is not None else None)
+        alloc, req.alloc = req.alloc, None
+        assert alloc is not None
+        namespace = block_namespace(plan.lora_name, plan.cache_salt)
+        self.kv_sessions.hold(session.session_id, plan.request_id, prompt_digest(plan.prompt_ids, namespace), alloc)
+        try:
+            await em.prefill_ready(session)
+        except BaseException:
+            # The handoff never left this engine: nobody can claim the session.
+            self.kv_sessions.release(session.session_id, "PrefillReady could not be sent")
+            raise
+
+    async def _receive_kv(self, req: LiveRequest) -> None:
+        """A decode leg's KV transfer: claim the session from its context engine (abortable)."""
+        plan = req.plan
+        session = plan.session
+        assert session is not None
+        if session.host is None or session.port is None:
+            raise KvClaimError(
+                error_pb2.ERROR_CODE_KV_TRANSFER_FAILED, "kv.session names no endpoint to pull the KV cache from"
+            )
+        digest = prompt_digest(plan.prompt_ids, block_namespace(plan.lora_name, plan.cache_salt))
+        claim = asyncio.ensure_future(
+            claim_session(session.host, session.port, session.session_id, plan.request_id, digest)
+        )
+        claim.add_done_callback(lambda _: req.wake())
+        self.kv_sessions.claims_in_flight += 1
+        try:
+            while not claim.done():
+                await req.wait(None)
+        finally:
+            self.kv_sessions.claims_in_flight -= 1
+            if not claim.done():
+                claim.cancel()
+        claim.result()
 
     def _session(self, req: LiveRequest, first_token: int | None) -> kv_pb2.KvSessionRef:
         self._sessions += 1
         session_id = str(self._sessions)
         host = self.listen_host
         url_host = f"[{host}]" if ":" in host else host
+        kv_port = self.kv_sessions.port
         session = kv_pb2.KvSessionRef(session_id=session_id, transfer_backend="MOCK", dp_rank=0)
-        session.endpoints.add(host=host, port=self.listen_port, protocol="tcp")
+        session.endpoints.add(host=host, port=kv_port, protocol="tcp")
         opaque = json.dumps({"request_id": req.plan.request_id, "prompt_tokens": req.prompt_len}).encode()
         fill_struct(
             session.attributes_struct,
             {
-                "ctx_info_endpoint": f"tcp://{url_host}:{self.listen_port}",
+                "ctx_info_endpoint": f"tcp://{url_host}:{kv_port}",
                 "opaque_state": base64.b64encode(opaque).decode(),
                 "first_gen_tokens": [] if first_token is None else [first_token],
                 "disagg_request_id": session_id,
@@ -831,7 +896,7 @@ class Engine:
             timestamp_unix_nanos=time.time_ns(),
             running_requests=running,
             queued_requests=len(self._queue),
-            active_kv_sessions=0,
+            active_kv_sessions=self.kv_sessions.active,
             used_kv_blocks=self.pool.used_blocks,
             total_kv_blocks=self.pool.total_blocks,
             running_tokens=running_tokens,

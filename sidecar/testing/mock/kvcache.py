@@ -17,7 +17,8 @@ its reservation as its sequence grows, so a running request never waits for bloc
 unused rest of the reservation is returned when the request ends.
 
 Every registration and eviction is reported as a :class:`BlockStored` / :class:`BlockRemoved` event to subscribers and
-kept in a bounded in-process log, so a later KV-event RPC can stream them.
+kept in a bounded in-process log; :meth:`BlockPool.snapshot` lists what is registered now. ``kvevents.py`` turns them
+into the ``SubscribeKvEvents`` stream.
 
 Block hash (``BLOCK_HASH_ALGO = "mock-blake2b64-v1"``): ``blake2b(digest_size=8)`` over
 ``parent (8 bytes, little-endian signed; 8 zero bytes for the first block) || len(namespace) (4 bytes LE) ||
@@ -163,6 +164,27 @@ class BlockPool:
     def available_blocks(self) -> int:
         """Blocks a new admission may still reserve."""
         return len(self._free) + len(self._evictable) - self._reserved
+
+    def snapshot(self) -> list[BlockStored]:
+        """Every registered block as a :class:`BlockStored`, each parent before its children (a KV-event snapshot).
+
+        A block whose parent is no longer registered (evicted before it) starts a chain of its own; its
+        ``parent_hash`` still names the evicted parent, exactly as its live ``BlockStored`` did.
+        """
+        children: dict[int | None, list[Block]] = collections.defaultdict(list)
+        for block in self._by_hash.values():
+            parent = block.parent_hash if block.parent_hash in self._by_hash else None
+            children[parent].append(block)
+        ordered: list[BlockStored] = []
+        stack = list(reversed(children.get(None, [])))
+        while stack:
+            block = stack.pop()
+            assert block.block_hash is not None
+            ordered.append(
+                BlockStored(block.block_hash, block.parent_hash, block.token_ids, self.block_size, block.lora_name)
+            )
+            stack.extend(reversed(children.get(block.block_hash, [])))
+        return ordered
 
     def subscribe(self, listener: Callable[[KvEvent], None]) -> Callable[[], None]:
         """Call ``listener(event)`` for every future event (synchronously); returns an unsubscribe function."""

@@ -74,6 +74,7 @@ async def serve(config: MockConfig, lm: LanguageModel | None = None) -> int:
     bound = sockets[0].getsockname()
     host = config.host if config.host not in _WILDCARDS else "127.0.0.1"
     engine.listen_host, engine.listen_port = host, int(bound[1])
+    await engine.kv_sessions.start(host)  # the KV transfer channel of disaggregated legs (kvsessions.py)
     address = format_address(host, engine.listen_port)
     if config.port_file is not None:
         write_port_file(config.port_file, address)
@@ -106,6 +107,7 @@ async def serve(config: MockConfig, lm: LanguageModel | None = None) -> int:
             log.warning("handlers did not finish after cancellation")
     finally:
         startup.cancel()
+        await engine.kv_sessions.close()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
     log.info("stopped")

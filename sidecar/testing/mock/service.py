@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from grpclib.const import Status
 from grpclib.encoding.proto import ProtoCodec
@@ -22,6 +22,7 @@ from openengine.v1 import (
 )
 
 from .kvcache import BLOCK_HASH_ALGO
+from .kvevents import KvEventFeed, KvFault, Subscription
 from .structs import fill_struct
 from .validate import Rejection
 
@@ -139,6 +140,12 @@ class ControlService(openengine_grpc.ControlBase):
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._config = engine.config
+        #: The KV event stream over the engine's block pool (``kvevents.py``); faults from ``--kv-fault``.
+        self.kv_feed = KvEventFeed(
+            engine.pool,
+            faults=[(seq, cast("KvFault", kind)) for seq, kind in engine.config.kv_faults],
+            lora_id_of=lambda name: adapter.lora_id if (adapter := engine.loras.get(name)) is not None else 0,
+        )
 
     # -- discovery ---------------------------------------------------------------------------------------------------
 
@@ -164,7 +171,7 @@ class ControlService(openengine_grpc.ControlBase):
         capacity.max_batched_tokens = cfg.max_batched_tokens
         if cfg.capabilities.lora:
             capacity.max_loras = cfg.max_loras
-        if cfg.role in ("prefill", "decode"):
+        if cfg.role in ("prefill", "decode") and not cfg.no_cache_transceiver:
             kvc = info.kv_connector
             kvc.enabled = True
             kvc.transfer_backend = "MOCK"
@@ -172,7 +179,11 @@ class ControlService(openengine_grpc.ControlBase):
             kvc.supports_decode_pull = False
             kvc.supports_abort_cleanup = False
             kvc.schema_version = 1
+            kvc.supported_protocols.append("tcp")
+            kvc.local_endpoints.add(host=self._engine.listen_host, port=self._engine.kv_sessions.port, protocol="tcp")
         fill_struct(info.extra, {"mock": True, "mock_kv_block_hash_algo": BLOCK_HASH_ALGO})
+        # Cumulative counters of what this engine served (disaggregation tests check which engine did which leg).
+        fill_struct(info.extra, {"mock_stats": {**self._engine.served, **self._engine.kv_sessions.stats}})
         return info
 
     async def _model_info(self, request: model_pb2.GetModelInfoRequest) -> model_pb2.ModelInfo:
@@ -291,16 +302,52 @@ class ControlService(openengine_grpc.ControlBase):
     async def ListLoras(self, stream: Stream[lora_pb2.ListLorasRequest, lora_pb2.ListLorasResponse]) -> None:
         await _unary(stream, "ListLoras", self._list_loras)
 
-    # -- KV events (not yet) -----------------------------------------------------------------------------------------
+    # -- KV events (kvevents.py; --kv-events, --kv-snapshot, --kv-fault) --------------------------------------------
+
+    async def _kv_sources(self, request: kv_pb2.GetKvEventSourcesRequest) -> kv_pb2.GetKvEventSourcesResponse:
+        mode = self._config.kv_events
+        if mode == "unimplemented":
+            raise Rejection(Status.UNIMPLEMENTED, "GetKvEventSources is not supported")
+        if mode == "disabled":
+            return kv_pb2.GetKvEventSourcesResponse()
+        return self.kv_feed.sources(request)
 
     async def GetKvEventSources(
         self, stream: Stream[kv_pb2.GetKvEventSourcesRequest, kv_pb2.GetKvEventSourcesResponse]
     ) -> None:
-        await _recv(stream, "GetKvEventSources")
-        raise GRPCError(Status.UNIMPLEMENTED, "GetKvEventSources is not supported")
+        await _unary(stream, "GetKvEventSources", self._kv_sources)
+
+    def _kv_subscribe(self, request: kv_pb2.SubscribeKvEventsRequest) -> Subscription:
+        mode = self._config.kv_events
+        if mode == "unimplemented":
+            raise Rejection(Status.UNIMPLEMENTED, "SubscribeKvEvents is not supported")
+        if mode == "disabled":
+            raise Rejection(Status.FAILED_PRECONDITION, "KV events are disabled on this engine")
+        if self._engine.draining:
+            raise Rejection(Status.UNAVAILABLE, "openengine-mock is shutting down")
+        if request.include_snapshot and not self._config.kv_snapshot:
+            raise Rejection(Status.UNIMPLEMENTED, "KV event snapshots are not offered (--no-kv-snapshot)")
+        return self.kv_feed.subscribe(request)
 
     async def SubscribeKvEvents(
         self, stream: Stream[kv_pb2.SubscribeKvEventsRequest, kv_pb2.SubscribeKvEventsResponse]
     ) -> None:
-        await _recv(stream, "SubscribeKvEvents")
-        raise GRPCError(Status.UNIMPLEMENTED, "SubscribeKvEvents is not supported")
+        request = await _recv(stream, "SubscribeKvEvents")
+        try:
+            sub = self._kv_subscribe(request)
+        except Exception as exc:
+            raise _fail("SubscribeKvEvents", exc) from None
+        log.info("SubscribeKvEvents: subscribed (snapshot=%s)", request.include_snapshot)
+        try:
+            while True:
+                try:
+                    response = KvEventFeed.response(await sub.get())
+                except Rejection as exc:
+                    raise _fail("SubscribeKvEvents", exc) from None
+                if response is None:
+                    return
+                await stream.send_message(response)
+                if response.HasField("error"):
+                    return
+        finally:
+            self.kv_feed.unsubscribe(sub)

@@ -62,6 +62,9 @@ class DecodeSession:
 
     session_id: str
     replay_tokens: tuple[int, ...]
+    #: Where the context engine's KV transfer endpoint is (None: only ``opaque_state``, nothing to pull from).
+    host: str | None = None
+    port: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -170,6 +173,8 @@ def _decode_session(request: generation_pb2.GenerateRequest) -> DecodeSession:
     session = request.kv.session
     attrs = struct_to_dict(session.attributes_struct) if session.HasField("attributes_struct") else {}
     has_endpoint = False
+    host: str | None = None
+    port: int | None = None
     ctx_endpoint = attrs.get("ctx_info_endpoint")
     if ctx_endpoint is not None:
         parsed = urllib.parse.urlsplit(ctx_endpoint) if isinstance(ctx_endpoint, str) else None
@@ -179,11 +184,13 @@ def _decode_session(request: generation_pb2.GenerateRequest) -> DecodeSession:
             port = None
         if parsed is None or not parsed.hostname or not port:
             raise _invalid(f"kv.session: unusable ctx_info_endpoint {ctx_endpoint!r}")
+        host = parsed.hostname
         has_endpoint = True
     elif session.endpoints:
         endpoint = session.endpoints[0]
         if not endpoint.host or not endpoint.port:
             raise _invalid("kv.session: endpoint without host or port")
+        host, port = endpoint.host, endpoint.port
         has_endpoint = True
     opaque = attrs.get("opaque_state")
     if opaque is not None:
@@ -209,7 +216,7 @@ def _decode_session(request: generation_pb2.GenerateRequest) -> DecodeSession:
         if not isinstance(first, list) or not all(isinstance(t, float) and t.is_integer() and t >= 0 for t in first):
             raise _invalid("kv.session: first_gen_tokens must be a list of token ids")
         replay = [int(t) for t in first if isinstance(t, float)]
-    return DecodeSession(session_id=session_id, replay_tokens=tuple(replay))
+    return DecodeSession(session_id=session_id, replay_tokens=tuple(replay), host=host, port=port)
 
 
 def validate_request(
