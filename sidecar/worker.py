@@ -15,9 +15,10 @@ runtime down and exit 0. A second signal skips the wait. Every step is a worker-
 from __future__ import annotations
 
 import logging
+import os
 import random
 import signal
-from collections.abc import Awaitable
+from collections.abc import Awaitable, MutableMapping
 from typing import TYPE_CHECKING, Final
 
 import trio
@@ -379,8 +380,27 @@ async def _cancel_on(event: trio.Event, scope: trio.CancelScope) -> None:
     scope.cancel(reason="signal")
 
 
+# Dynamo binds its request plane to the first non-loopback address and its system server to 0.0.0.0 unless told
+# otherwise. Every listener of ours is loopback unless the operator says so (multi-host deployments set these).
+LOOPBACK_DEFAULTS: Final = {
+    "DYN_TCP_RPC_HOST": "127.0.0.1",
+    "DYN_SYSTEM_HOST": "127.0.0.1",
+    "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+    "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+}
+
+
+def apply_loopback_defaults(environ: MutableMapping[str, str]) -> list[str]:
+    """Default every Dynamo listener of this process to loopback; returns the variables it set."""
+    applied = [name for name in LOOPBACK_DEFAULTS if not environ.get(name)]
+    for name in applied:
+        environ[name] = LOOPBACK_DEFAULTS[name]
+    return applied
+
+
 def run_worker(config: SidecarConfig) -> int:
     """Run the worker until it drains (0) or refuses/fails (1)."""
+    apply_loopback_defaults(os.environ)
     worker = Worker(config)
     logs.configure_logging(config.log_level, "json" if config.log_format == "json" else "text", worker.lifecycle)
     # transitions logs every callback at INFO; the worker's own observer logs what an operator needs.

@@ -101,3 +101,13 @@ def test_registration_carries_what_discovery_reported() -> None:
     assert (reg.context_length, reg.kv_block_size, reg.total_kv_blocks, reg.max_num_seqs) == (2048, 16, 4096, 64)
     assert reg.worker_type == "aggregated"
     assert reg.runtime_data["openengine_engine"] == "mock"
+
+
+def test_every_dynamo_listener_defaults_to_loopback_unless_set() -> None:
+    from sidecar.worker import LOOPBACK_DEFAULTS, apply_loopback_defaults
+
+    env = {"DYN_TCP_RPC_HOST": "10.1.2.3"}
+    applied = apply_loopback_defaults(env)
+    assert env["DYN_TCP_RPC_HOST"] == "10.1.2.3", "an operator's choice stands"
+    assert set(applied) == set(LOOPBACK_DEFAULTS) - {"DYN_TCP_RPC_HOST"}
+    assert all(env[name] == "127.0.0.1" for name in applied)

@@ -8,11 +8,9 @@ the engine's own view (GetLoad) is read with the project's OpenEngine client.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -21,13 +19,11 @@ import pytest
 import trio
 from openai.types.chat import ChatCompletionMessageParam
 
-from sidecar.edge import open_edge
-from sidecar.engine import EngineClientConfig, open_engine_client, parse_endpoint
-from tests.helpers.processes import DynamoEnv, Frontend, free_low_port, start_process, wait_for_model
+from tests.helpers.processes import DynamoEnv, Frontend
+from tests.helpers.stack import MODEL, dump_logs, running_requests, start_engine, start_sidecar, wait_routable
 
 pytestmark = pytest.mark.e2e
 
-MODEL = "tiny-oe"
 T = TypeVar("T")
 
 
@@ -43,48 +39,21 @@ class Stack:
         return await trio.to_thread.run_sync(lambda: fn(self.client()))
 
     async def running_requests(self) -> int:
-        async with (
-            open_edge() as edge,
-            open_engine_client(edge, EngineClientConfig(endpoint=parse_endpoint(self.engine), connections=1)) as client,
-        ):
-            load = await client.get_load()
-        assert load.running_requests is not None
-        return load.running_requests
+        return await running_requests(self.engine)
 
 
 @asynccontextmanager
 async def start_stack(denv: DynamoEnv, frontend: Frontend, *mock_args: str) -> AsyncIterator[Stack]:
-    port_file = denv.root / "engine.port"
-    mock = [sys.executable, "-m", "sidecar.testing.mock", "--port", "0", "--port-file", str(port_file)]
-    async with start_process(
-        [*mock, "--served-model-name", MODEL, *mock_args],
-        denv.env,
-        log_path=denv.log_path("engine"),
-        ready=lambda _: _exists(port_file),
+    async with (
+        start_engine(denv, *mock_args) as engine,
+        start_sidecar(denv, engine.address, "--abort-timeout-secs", "1"),
     ):
-        engine = port_file.read_text().strip()
-        sidecar = [sys.executable, "-m", "sidecar", "--grpc-endpoint", engine, "--model-path", str(_model_dir())]
-        async with start_process(
-            [*sidecar, "--served-model-name", MODEL, "--abort-timeout-secs", "1"],
-            denv.worker_env(DYN_SYSTEM_PORT=str(free_low_port())),
-            log_path=denv.log_path("sidecar"),
-        ):
-            await wait_for_model(frontend.url, MODEL, timeout=60)
-            try:
-                yield Stack(frontend, engine)
-            except BaseException:
-                # The scratch directory goes away with the test: keep the logs where the failure report shows them.
-                for log in sorted((denv.root / "logs").glob("*.log")):
-                    print(f"===== {log.name} (tail)\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
-                raise
-
-
-async def _exists(path: Path) -> bool:
-    return path.exists() and bool(path.read_text().strip())
-
-
-def _model_dir() -> Path:
-    return Path(__file__).resolve().parents[2] / "sidecar" / "testing" / "mock" / "model"
+        await wait_routable(frontend.url, workers=1)
+        try:
+            yield Stack(frontend, engine.address)
+        except BaseException:
+            dump_logs(denv)
+            raise
 
 
 def user(text: str) -> list[ChatCompletionMessageParam]:

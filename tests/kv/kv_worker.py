@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import sidecar.worker as worker_module  # noqa: E402
-from sidecar.cli import main  # noqa: E402
-from sidecar.dynamo import DynamoWorker  # noqa: E402
-from sidecar.kv import RoutingPlan, discover_routing, routing_config, run_routing_signals  # noqa: E402
+import sidecar.worker as worker_module
+from sidecar.cli import main
+from sidecar.dynamo import DynamoWorker
+from sidecar.kv import RoutingPlan, discover_routing, routing_config, run_routing_signals
 
 if TYPE_CHECKING:
     import trio
@@ -29,13 +29,14 @@ if TYPE_CHECKING:
     from sidecar.startup import Discovery
 
 _state: dict[str, Any] = {}
-_discover = worker_module.discover
-_registration_for = worker_module.registration_for
+_module = vars(worker_module)
+_discover = _module["discover"]
+_registration_for = _module["registration_for"]
 _serve = DynamoWorker.serve
 
 
 async def discover(client: EngineClient, config: SidecarConfig) -> Discovery:
-    found = await _discover(client, config)
+    found: Discovery = await _discover(client, config)
     if "plan" not in _state:
         _state["plan"] = await discover_routing(client, found.caps, routing_config(config))
         _state["client"] = client
@@ -45,7 +46,7 @@ async def discover(client: EngineClient, config: SidecarConfig) -> Discovery:
 
 def registration_for(discovery: Discovery, config: SidecarConfig) -> Registration:
     plan: RoutingPlan | None = _state.get("plan")
-    registration = _registration_for(discovery, config)
+    registration: Registration = _registration_for(discovery, config)
     return plan.registration(registration) if plan is not None else registration
 
 
@@ -54,8 +55,8 @@ async def serve(self: DynamoWorker, nursery: trio.Nursery, *args: Any, **kwargs:
     await nursery.start(run_routing_signals, _state["client"], self, _state["plan"], routing_config(_state["config"]))
 
 
-worker_module.discover = discover  # type: ignore[assignment]
-worker_module.registration_for = registration_for
+_module["discover"] = discover
+_module["registration_for"] = registration_for
 DynamoWorker.serve = serve  # type: ignore[method-assign]
 
 if __name__ == "__main__":
