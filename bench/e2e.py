@@ -34,6 +34,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +88,8 @@ GOAL_PER_REQUEST_KIB: Final = 20.0
 class Plan:
     intervals: list[int]
     concurrencies: list[int]
+    #: Each (interval, concurrency) runs A, B, C this many times, interleaved; the figures are the medians.
+    rounds: int
     max_tokens: int
     seeds: list[int]
     min_requests: int
@@ -96,9 +99,11 @@ class Plan:
     paced_ms: float
     paced_requests: int
     paced_max_tokens: int
-    #: Memory: this many requests in flight at once on the paced engine, held for ``hold_s``, then cancelled.
+    #: Memory: this many requests in flight at once on a slow engine (``memory_decode_ms`` per step), held for
+    #: ``hold_s``, then cancelled.
     memory_requests: int
     memory_max_tokens: int
+    memory_decode_ms: float
     hold_s: float
 
     def requests(self, concurrency: int) -> int:
@@ -108,6 +113,7 @@ class Plan:
 FULL: Final = Plan(
     intervals=[1, 5],
     concurrencies=[1, 16, 64, 256],
+    rounds=2,
     max_tokens=200,
     seeds=list(range(1000, 1008)),
     min_requests=48,
@@ -118,11 +124,13 @@ FULL: Final = Plan(
     paced_max_tokens=50,
     memory_requests=1000,
     memory_max_tokens=2000,
+    memory_decode_ms=100.0,
     hold_s=3.0,
 )
 QUICK: Final = Plan(
     intervals=[1, 5],
     concurrencies=[1, 16],
+    rounds=1,
     max_tokens=32,
     seeds=list(range(1000, 1004)),
     min_requests=12,
@@ -133,6 +141,7 @@ QUICK: Final = Plan(
     paced_max_tokens=20,
     memory_requests=100,
     memory_max_tokens=2000,
+    memory_decode_ms=100.0,
     hold_s=1.0,
 )
 
@@ -373,7 +382,7 @@ async def memory_test(stack: Stack, plan: Plan, table: Path) -> dict[str, Any]:
     result = await run_child("bench._e2e_load", config, stack.work, 240)
     held_from, held_to = result.get("all_arrived"), result.get("released")
     if held_from is None or held_to is None:
-        raise RuntimeError(f"memory test: not every request got a token: {result['errors']}")
+        raise RuntimeError(f"not every request got a token ({result['failed']} failed): {result['errors'][:2]}")
     in_flight = stack.sampler.median(held_from + 0.2, held_to)
     await trio.sleep(2.0)
     after = process_rss_bytes(pid)
@@ -424,11 +433,20 @@ async def paced(stack: Stack, plan: Plan, table: Path) -> dict[str, Any]:
     return out
 
 
-async def run(plan: Plan) -> dict[str, Any]:
-    """Start the stack, measure every point, run the memory test; return everything measured."""
+async def run(plan: Plan, out: Path) -> dict[str, Any]:
+    """Start the stack, measure every point, the paced run and the memory test; return everything measured.
+
+    What was measured so far is written to ``out/e2e.partial.json`` after each block; a failing paced or memory
+    run is recorded (``error``) instead of ending the run."""
     started = time.monotonic()
-    points: list[dict[str, Any]] = []
-    idle: dict[str, float] = {}
+    data: dict[str, Any] = {"points": [], "idle_rss_mib": {}, "paced": None, "memory": None}
+    points: list[dict[str, Any]] = data["points"]
+    idle: dict[str, float] = data["idle_rss_mib"]
+
+    def save() -> None:
+        data["elapsed_s"] = time.monotonic() - started
+        (out / "e2e.partial.json").write_text(json.dumps(jsonable(data), indent=1))
+
     with dynamo_env() as denv:
         work = denv.root / "bench"
         work.mkdir()
@@ -463,23 +481,87 @@ async def run(plan: Plan) -> dict[str, Any]:
                     await warm_up(stack, plan, table, (MODEL_A, MODEL_B), plan.max_tokens)
                     for concurrency in plan.concurrencies:
                         requests = plan.requests(concurrency)
-                        for path in ("A", "B", "C"):
-                            points.append(await measure(stack, path, interval, concurrency, requests, plan, table))
+                        runs: dict[str, list[dict[str, Any]]] = {path: [] for path in "ABC"}
+                        for _ in range(plan.rounds):  # A B C A B C …: the machine's drift hits every path alike
+                            for path in "ABC":
+                                runs[path].append(
+                                    await measure(stack, path, interval, concurrency, requests, plan, table)
+                                )
+                        points.extend(merge_runs(runs[path]) for path in "ABC")
                     _drop_block(stack)
-            async with AsyncExitStack() as block:
-                await start_mock(stack, block, 1, slow_ms=plan.paced_ms)
-                await start_sidecar(stack, block, nursery)
-                memory = await memory_test(stack, plan, table)
-                paced_result = await paced(stack, plan, table)
-                _drop_block(stack)
+                save()
+            pacing = await _guarded_block(stack, nursery, plan.paced_ms, lambda: paced(stack, plan, table))
+            data["paced"] = pacing if "error" not in pacing else _failed_paced(plan, pacing["error"])
+            save()
+            memory = await _guarded_block(
+                stack, nursery, plan.memory_decode_ms, lambda: memory_test(stack, plan, table)
+            )
+            data["memory"] = memory if "error" not in memory else _failed_memory(plan, memory["error"])
+            save()
             nursery.cancel_scope.cancel()
-    return {
-        "points": points,
-        "idle_rss_mib": idle,
-        "memory": memory,
-        "paced": paced_result,
-        "elapsed_s": time.monotonic() - started,
-    }
+    data["elapsed_s"] = time.monotonic() - started
+    return data
+
+
+async def _guarded_block(
+    stack: Stack, nursery: trio.Nursery, decode_ms: float, body: Callable[[], Awaitable[dict[str, Any]]]
+) -> dict[str, Any]:
+    """A fresh paced mock (``--speedup 1``, ``decode_ms`` per step) and sidecar for ``body``; a failure is recorded."""
+    try:
+        async with AsyncExitStack() as block:
+            await start_mock(stack, block, 1, slow_ms=decode_ms)
+            await start_sidecar(stack, block, nursery)
+            try:
+                return await body()
+            finally:
+                _drop_block(stack)
+    except Exception as exc:
+        log(f"  FAILED: {type(exc).__name__}: {exc}")
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+
+
+_COUNTS: Final = ("requests", "completed", "failed", "lost", "tokens")
+
+
+def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One point from its rounds: counts summed, every figure the median of the rounds (per-round rates kept)."""
+    merged = dict(runs[0])
+    for key, value in runs[0].items():
+        if key in _COUNTS:
+            merged[key] = sum(run[key] for run in runs)
+        elif key == "errors":
+            merged[key] = [error for run in runs for error in run[key]][:5]
+        elif isinstance(value, dict):
+            merged[key] = {k: _median([run[key].get(k, math.nan) for run in runs]) for k in value}
+        elif isinstance(value, float):
+            merged[key] = _median([run[key] for run in runs])
+    merged["rounds"] = len(runs)
+    merged["tokens_per_s_rounds"] = [run["tokens_per_s"] for run in runs]
+    return merged
+
+
+def _median(values: list[float]) -> float:
+    finite = sorted(v for v in values if v is not None and math.isfinite(v))
+    if not finite:
+        return math.nan
+    mid = len(finite) // 2
+    return finite[mid] if len(finite) % 2 else (finite[mid - 1] + finite[mid]) / 2
+
+
+_LATENCY_KEYS: Final = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tokens_per_chunk")
+
+
+def _failed_paced(plan: Plan, error: str) -> dict[str, Any]:
+    empty = {"requests": plan.paced_requests, "completed": 0, "failed": plan.paced_requests, "lost": 0,
+             "errors": [error], **dict.fromkeys(_LATENCY_KEYS, math.nan)}  # fmt: skip
+    return {"error": error, "pace_ms": plan.paced_ms, "A": empty, "B": dict(empty),
+            "added_itl_p50_ms": math.nan, "added_ttft_p50_ms": math.nan}  # fmt: skip
+
+
+def _failed_memory(plan: Plan, error: str) -> dict[str, Any]:
+    keys = ("idle_rss_mib", "idle_rss_after_warmup_mib", "in_flight_rss_mib", "after_rss_mib", "per_request_kib")
+    return {"error": error, "requests": plan.memory_requests, "peak_in_flight_seen_by_client": 0,
+            "failed": plan.memory_requests, "errors": [error], **dict.fromkeys(keys, math.nan)}  # fmt: skip
 
 
 def _drop_block(stack: Stack) -> None:
@@ -534,7 +616,8 @@ def summarize(plan: Plan, data: dict[str, Any]) -> dict[str, Any]:
             goals.append(_goal(f"sidecar CPU-s per 1k tokens at c=64, {interval} tok/msg", cpu, "≤", GOAL_CPU_PER_1K))
     idle = max(data["idle_rss_mib"].values(), default=math.nan)
     memory = data["memory"]
-    idle = max(idle, memory["idle_rss_mib"])
+    if math.isfinite(memory["idle_rss_mib"]):
+        idle = max(idle, memory["idle_rss_mib"])
     goals.append(_goal("idle sidecar RSS (MiB)", idle, "≤", GOAL_IDLE_RSS_MIB))
     goals.append(_goal(f"sidecar KiB per in-flight request at {memory['requests']}", memory["per_request_kib"], "≤",
                        GOAL_PER_REQUEST_KIB))  # fmt: skip
@@ -563,7 +646,8 @@ def markdown(plan: Plan, data: dict[str, Any], summary: dict[str, Any], images: 
     lines.append(
         f"Run of {data['date']}: {machine['cpus']} CPUs, load average {machine['load_before']} before and "
         f"{machine['load_after']} after; {plan.max_tokens} output tokens per request, {len(plan.seeds)} seeds, "
-        f"requests per point = max({plan.min_requests}, {plan.requests_per_slot} × concurrency); total "
+        f"requests per point and round = max({plan.min_requests}, {plan.requests_per_slot} × concurrency), "
+        f"{plan.rounds} rounds (A B C interleaved; medians); total "
         f"{data['elapsed_s']:.0f} s."
     )
     lines.append("")
@@ -598,8 +682,12 @@ def markdown(plan: Plan, data: dict[str, Any], summary: dict[str, Any], images: 
         f"{_f(b['itl_p99_ms'], 2)}), tokens per chunk A {_f(a['tokens_per_chunk'], 2)} / B "
         f"{_f(b['tokens_per_chunk'], 2)}: the sidecar adds **{_f(pacing['added_itl_p50_ms'], 3)} ms** per token (p50)."
     )
+    if "error" in pacing:
+        lines.append(f"The paced run failed: `{pacing['error'][:300]}`")
     lines.append("")
     memory = data["memory"]
+    if "error" in memory:
+        lines.append(f"The memory run failed: `{memory['error'][:300]}`")
     lines.append(
         f"Sidecar memory: idle {_f(memory['idle_rss_mib'], 1)} MiB (fresh), "
         f"{_f(memory['idle_rss_after_warmup_mib'], 1)} MiB after a warm-up; "
@@ -724,7 +812,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = " ".join(f"{v:.2f}" for v in os.getloadavg())
     log(f"bench.e2e {'quick' if args.quick else 'full'}: intervals {plan.intervals}, concurrency {plan.concurrencies}, "
         f"{plan.max_tokens} tokens/request; load average {load_before}")  # fmt: skip
-    data = trio.run(run, plan)
+    data = trio.run(run, plan, out)
     data["plan"] = dataclasses.asdict(plan)
     data["date"] = time.strftime("%Y-%m-%d %H:%M")
     data["machine"] = {"cpus": os.cpu_count(), "load_before": load_before,

@@ -41,9 +41,9 @@ HEADER = """\
 
 The worker, every request and every KV-event subscription are driven by explicit state machines (`statemachines/`,
 built on `transitions`). Each machine's tables -- states, transitions, terminal states, idempotent no-ops and the
-per-state notes below -- are the single source of truth; this page is generated from them. The code only *reports* what happened by firing an
-event; an event that is not allowed in the current state is a bug and raises `IllegalTransition`, leaving the state
-unchanged.
+per-state notes below -- are the single source of truth; this page is generated from them. The code only *reports*
+what happened by firing an event; an event that is not allowed in the current state is a bug and raises
+`IllegalTransition`, leaving the state unchanged.
 
 For operators, each machine keeps a count of models per state: for a non-terminal state it is the number *currently*
 in that state, for a terminal state the *total* since the process started. `abandoned` counts models dropped before

@@ -4,6 +4,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 bash launch/setup.sh
+bash launch/setup-system.sh
 . .venv/bin/activate
 echo "== generated code drift"
 python protos/generate.py --check

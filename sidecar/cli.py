@@ -8,6 +8,8 @@ one line naming the flag (exit status 2, like argparse).
 from __future__ import annotations
 
 import argparse
+import logging
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, MutableMapping, Sequence
 
 DisaggregationMode = Literal["agg", "prefill", "decode"]
 ENDPOINT_TYPES = ("chat", "completions")
@@ -66,6 +68,7 @@ class SidecarConfig:
     kv_events: Literal["auto", "off"] = "auto"
     load_poll_interval_s: float = 1.0
     load_max_age_s: float = 5.0
+    control_plane_deadline_s: float = 60.0
 
 
 class ConfigError(ValueError):
@@ -249,12 +252,37 @@ def build_parser() -> argparse.ArgumentParser:
         dynamo,
         "--discovery-backend",
         "DYN_DISCOVERY_BACKEND",
-        "service discovery: file (one machine, DYN_FILE_KV), etcd, kubernetes",
+        "service discovery: file (one machine, DYN_FILE_KV), etcd (ETCD_ENDPOINTS, default http://localhost:2379; "
+        "ETCD_AUTH_* as for Dynamo's workers), kubernetes",
         default="file",
         choices=("file", "etcd", "kubernetes", "mem"),
     )
-    add(dynamo, "--request-plane", "DYN_REQUEST_PLANE", "request plane", default="tcp", choices=("tcp", "nats"))
-    add(dynamo, "--event-plane", "DYN_EVENT_PLANE", "event plane", default="zmq", choices=("zmq", "nats"))
+    add(
+        dynamo,
+        "--request-plane",
+        "DYN_REQUEST_PLANE",
+        "request plane: tcp (the worker listens on DYN_TCP_RPC_HOST) or nats (NATS_SERVER, default nats://localhost:4222)",
+        default="tcp",
+        choices=("tcp", "nats"),
+    )
+    add(
+        dynamo,
+        "--event-plane",
+        "DYN_EVENT_PLANE",
+        "event plane for KV events: zmq (advertised as DYN_EVENT_PLANE_HOST) or nats (NATS_SERVER); must match the "
+        "frontends",
+        default="zmq",
+        choices=("zmq", "nats"),
+    )
+    add(
+        dynamo,
+        "--control-plane-deadline-secs",
+        "DYN_SIDECAR_CONTROL_PLANE_DEADLINE_SECS",
+        "bound on reaching etcd and NATS at start-up; the worker refuses to start after it (sets Dynamo's "
+        "ETCD_STARTUP_CONNECT_TIMEOUT_SECONDS and NATS_STARTUP_CONNECT_TIMEOUT_SECONDS unless those are set)",
+        default=60.0,
+        type=_positive(float),
+    )
 
     lifecycle = parser.add_argument_group("requests and lifecycle")
     add(
@@ -458,6 +486,7 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
     except EndpointError as exc:
         raise ConfigError(f"--grpc-endpoint: {exc}") from None
     context_length = None if ns.context_length is None else int(_number(ns, "context_length", "--context-length", int))
+    _check_control_plane_env(ns)
     for flag, value in (("--namespace", ns.namespace), ("--endpoint", ns.endpoint)):
         if not value or "." in value or "/" in value:
             raise ConfigError(f"{flag}: must be a non-empty name without '.' or '/', got {value!r}")
@@ -509,7 +538,34 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         kv_events=ns.kv_events,
         load_poll_interval_s=_number(ns, "load_poll_interval_secs", "--load-poll-interval-secs", float),
         load_max_age_s=_number(ns, "load_max_age_secs", "--load-max-age-secs", float),
+        control_plane_deadline_s=_number(ns, "control_plane_deadline_secs", "--control-plane-deadline-secs", float),
     )
+
+
+def _check_control_plane_env(ns: argparse.Namespace) -> None:
+    """Dynamo reads ETCD_ENDPOINTS and NATS_SERVER itself; catch what it would only refuse after its deadline."""
+    if ns.discovery_backend == "etcd":
+        endpoints = os.environ.get("ETCD_ENDPOINTS")
+        if endpoints is not None and not all(part.strip() for part in endpoints.split(",")):
+            raise ConfigError(f"ETCD_ENDPOINTS: expected comma-separated URLs (http://host:2379), got {endpoints!r}")
+    if "nats" in (ns.request_plane, ns.event_plane):
+        server = os.environ.get("NATS_SERVER")
+        if server is not None and not server.startswith(("nats://", "tls://")):
+            raise ConfigError(f"NATS_SERVER: must start with nats:// or tls://, got {server!r}")
+
+
+#: Dynamo's own start-up bounds on reaching etcd and NATS (read by the runtime when it is created).
+CONTROL_PLANE_TIMEOUT_VARIABLES = ("ETCD_STARTUP_CONNECT_TIMEOUT_SECONDS", "NATS_STARTUP_CONNECT_TIMEOUT_SECONDS")
+
+
+def apply_control_plane_deadline(config: SidecarConfig, environ: MutableMapping[str, str]) -> list[str]:
+    """Bound the runtime's connection to etcd and NATS by ``--control-plane-deadline-secs``: set Dynamo's startup
+    timeouts (whole seconds, rounded up) unless the operator set them. Returns the variables it set."""
+    seconds = str(max(1, math.ceil(config.control_plane_deadline_s)))
+    applied = [name for name in CONTROL_PLANE_TIMEOUT_VARIABLES if not environ.get(name)]
+    for name in applied:
+        environ[name] = seconds
+    return applied
 
 
 def _ops_port(raw: object) -> int | None:
@@ -532,6 +588,23 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         sys.exit(ops_main(args))
     config = parse_config(argv)
+    apply_control_plane_deadline(config, os.environ)
+    from sidecar.dynamo import ControlPlaneError, ControlPlaneUnreachable
     from sidecar.worker import run_worker
 
-    sys.exit(run_worker(config))
+    try:
+        status = run_worker(config)
+    except* ControlPlaneError as group:
+        # One line for the operator (no traceback): etcd/NATS unreachable at start-up, or lost while serving.
+        error = _first_leaf(group)
+        refused = "refusing to start: " if isinstance(error, ControlPlaneUnreachable) else ""
+        logging.getLogger("sidecar.worker").error("%s%s", refused, error)
+        status = 1
+    sys.exit(status)
+
+
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error

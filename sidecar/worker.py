@@ -29,6 +29,7 @@ from sidecar.dynamo import DynamoSettings, open_dynamo
 from sidecar.edge import open_edge
 from sidecar.engine import EngineClientConfig, SchemaIncompatible, open_engine_client, parse_endpoint
 from sidecar.errors import EngineGone, EngineRpcError, GrpcCode, WorkerDraining
+from sidecar.kv import RoutingPlan, discover_routing, routing_config, run_routing_signals
 from sidecar.ops import logs, metrics
 from sidecar.ops.server import serve_live_state
 from sidecar.requests import CANARY_PAYLOAD, RequestServer, ServingContext
@@ -37,7 +38,7 @@ from statemachines import WORKER, WorkerLifecycle
 
 if TYPE_CHECKING:
     from sidecar.cli import SidecarConfig
-    from sidecar.dynamo import DynamoWorker
+    from sidecar.dynamo import DynamoWorker, Registration
     from sidecar.engine import EngineClient
     from statemachines import WorkerEvent, WorkerState
 
@@ -94,6 +95,7 @@ class Worker:
         # Set when the worker must exit 1 (engine lost with --exit-on-engine-loss, a different engine came back).
         self._fatal = trio.Event()
         self._discovery: Discovery | None = None
+        self._routing: RoutingPlan | None = None
 
     async def watch_signals(self) -> None:
         """First SIGTERM/SIGINT drains; a second one skips waiting for in-flight requests."""
@@ -146,7 +148,9 @@ class Worker:
                 return 0
 
             self._discovery = first
-            registration = registration_for(first, config)
+            # KV event sources are discovered before registering: with events, the model registers for KV routing.
+            plan = self._routing = await discover_routing(client, first.caps, routing_config(config))
+            registration = self._registration(first)
             settings = _dynamo_settings(config, first.role)
             async with open_dynamo(edge, settings) as dynamo, trio.open_nursery() as request_nursery:
                 await dynamo.export_metrics(metrics.exposition, metrics.typed_families)
@@ -155,6 +159,7 @@ class Worker:
                 await dynamo.serve(request_nursery, self.requests.handle, health_check_payload=CANARY_PAYLOAD)
                 life.fire("registered", reason=f"model {registration.served_model_name!r}")
                 async with trio.open_nursery() as watchers:
+                    await watchers.start(run_routing_signals, client, dynamo, plan, routing_config(config))
                     watchers.start_soon(self._watch_engine, client, dynamo)
                     watchers.start_soon(self._watch_registration, dynamo)
                     await _first_of(self._stop, self._fatal)
@@ -169,6 +174,11 @@ class Worker:
                 return 1
             life.fire("drained", reason=None if quiescent else "engine quiescence not confirmed")
         return 0 if quiescent else 1
+
+    def _registration(self, discovery: Discovery) -> Registration:
+        """The model card: ``registration_for``, in KV-routing mode when the routing plan says events flow."""
+        registration = registration_for(discovery, self.config)
+        return self._routing.registration(registration) if self._routing is not None else registration
 
     def _serving(self, client: EngineClient, discovery: Discovery) -> ServingContext:
         return ServingContext(
@@ -284,7 +294,7 @@ class Worker:
             await trio.sleep_forever()
         self.requests.attach(self._serving(client, self._discovery))
         await dynamo.restore()
-        await dynamo.register(registration_for(self._discovery, config))
+        await dynamo.register(self._registration(self._discovery))
         life.fire("registered", reason="engine back")
         metrics.RECONNECTS.labels(stage="recovered").inc()
 

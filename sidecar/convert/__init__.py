@@ -8,6 +8,7 @@ stateful mapper) tested by tables.
 * :mod:`.capabilities` — :class:`Capabilities` from ``ServerInfo`` + ``ModelInfo``.
 * :mod:`.request` — :func:`build_generate_request`: ``PreprocessedRequest`` → ``GenerateRequest``.
 * :mod:`.response` — :class:`ResponseMapper`: ``GenerateResponse`` batches → ``LLMEngineOutput`` chunks.
+* :mod:`.handoff` — the disaggregation handoff: ``KvSessionRef`` ⇄ ``disaggregated_params`` JSON.
 """
 
 from .capabilities import Capabilities as Capabilities

@@ -5,6 +5,9 @@ Trio code uses :func:`open_dynamo` and :class:`DynamoWorker`; every Dynamo call 
 a :class:`sidecar.errors.SidecarError` it raises becomes the ``dynamo.llm.exceptions`` class its ``kind`` names.
 """
 
+from ._bindings import ControlPlaneError as ControlPlaneError
+from ._bindings import ControlPlaneLost as ControlPlaneLost
+from ._bindings import ControlPlaneUnreachable as ControlPlaneUnreachable
 from ._handler import CANCELLED_CHUNK as CANCELLED_CHUNK
 from ._publishers import KvEventSink as KvEventSink
 from ._publishers import LoadSink as LoadSink
@@ -20,6 +23,9 @@ from ._worker import open_dynamo as open_dynamo
 
 __all__ = [
     "CANCELLED_CHUNK",
+    "ControlPlaneError",
+    "ControlPlaneLost",
+    "ControlPlaneUnreachable",
     "DynamoSettings",
     "DynamoWorker",
     "KvEventSink",

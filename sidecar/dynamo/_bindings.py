@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from typing import TYPE_CHECKING, Any
 
 import dynamo.llm
@@ -30,8 +31,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Context",
+    "ControlPlaneError",
+    "ControlPlaneLost",
+    "ControlPlaneUnreachable",
     "DistributedRuntime",
     "Endpoint",
+    "control_plane",
     "create_runtime",
     "dynamo_exception",
     "export_metrics",
@@ -53,12 +58,52 @@ _WORKER_TYPES: dict[WorkerRole, WorkerType] = {
 }
 
 
+class ControlPlaneError(RuntimeError):
+    """Dynamo's control plane (etcd discovery, NATS planes) failed this worker; the message is one operator line."""
+
+
+class ControlPlaneUnreachable(ControlPlaneError):
+    """Start-up: etcd or NATS did not answer within its startup-connect deadline (``ETCD_``/``NATS_STARTUP_CONNECT_
+    TIMEOUT_SECONDS``, set from ``--control-plane-deadline-secs``)."""
+
+
+class ControlPlaneLost(ControlPlaneError):
+    """While serving, the Dynamo runtime shut itself down (its etcd lease could not be kept or was gone): nothing can
+    be served or re-registered any more, so the worker exits and its supervisor starts a fresh one."""
+
+
+#: Dynamo's defaults when the variables are unset (``lib/runtime`` transports, ai-dynamo-runtime 1.6.1).
+_DEFAULT_ETCD = "http://localhost:2379"
+_DEFAULT_NATS = "nats://localhost:4222"
+
+
+def control_plane(settings: DynamoSettings) -> str:
+    """What this worker's runtime connects to, for log lines: ``etcd at …, NATS at …`` (empty for file/mem + TCP)."""
+    parts = []
+    if settings.discovery_backend == "etcd":
+        parts.append(f"etcd at {os.environ.get('ETCD_ENDPOINTS') or _DEFAULT_ETCD}")
+    if "nats" in (settings.request_plane, settings.event_plane):
+        parts.append(f"NATS at {os.environ.get('NATS_SERVER') or _DEFAULT_NATS}")
+    return ", ".join(parts)
+
+
 async def create_runtime(settings: DynamoSettings) -> tuple[DistributedRuntime, Endpoint, int]:
-    """Create the ``DistributedRuntime`` on the running (edge) loop; returns it, our endpoint and our instance id."""
+    """Create the ``DistributedRuntime`` on the running (edge) loop; returns it, our endpoint and our instance id.
+
+    The constructor connects to etcd and NATS synchronously, retrying with backoff until its startup-connect deadline
+    (it blocks the edge loop meanwhile); then it raises a plain ``Exception``, re-raised here as
+    :class:`ControlPlaneUnreachable` with one line naming what was unreachable.
+    """
     loop = asyncio.get_running_loop()
-    runtime = DistributedRuntime(
-        loop, settings.discovery_backend, settings.request_plane, event_plane=settings.event_plane
-    )
+    try:
+        runtime = DistributedRuntime(
+            loop, settings.discovery_backend, settings.request_plane, event_plane=settings.event_plane
+        )
+    except Exception as exc:
+        text = " ".join(str(exc).split())
+        if "etcd" in text.lower() or "nats" in text.lower():
+            raise ControlPlaneUnreachable(f"control plane unreachable ({control_plane(settings)}): {text}") from None
+        raise
     endpoint = runtime.endpoint(settings.endpoint_path)
     return runtime, endpoint, int(endpoint.connection_id())
 

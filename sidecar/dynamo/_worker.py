@@ -9,7 +9,7 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import trio
 
@@ -65,6 +65,26 @@ async def _poll_until(condition: Callable[[], Awaitable[bool]]) -> None:
         await trio.sleep(_POLL)
 
 
+#: Bound on one TCP probe of an etcd endpoint.
+_ETCD_PROBE_TIMEOUT: Final = 2.0
+
+
+async def _etcd_answers() -> bool:
+    """Does any of ``ETCD_ENDPOINTS`` (Dynamo's default: localhost:2379) accept a TCP connection right now?"""
+    for url in (os.environ.get("ETCD_ENDPOINTS") or "http://localhost:2379").split(","):
+        parsed = urlsplit(url.strip() if "://" in url else f"http://{url.strip()}")
+        if not parsed.hostname:
+            continue
+        with trio.move_on_after(_ETCD_PROBE_TIMEOUT):
+            try:
+                stream = await trio.open_tcp_stream(parsed.hostname, parsed.port or 2379)
+            except OSError:
+                continue
+            await stream.aclose()
+            return True
+    return False
+
+
 def _fresh(path: Path) -> bool:
     try:
         return time.time() - path.stat().st_mtime < FILE_TTL
@@ -93,6 +113,7 @@ class DynamoWorker:
         self._serving = False
         self._served = trio.Event()
         self._shutdown_sent = False
+        self._lost = False
         self._clients: dict[str, Any] = {}
 
     @property
@@ -134,12 +155,25 @@ class DynamoWorker:
         """Re-publish what should be in discovery (instance unless withdrawn, card if registered).
 
         The recovery for a lost registration: file discovery never re-creates an expired or deleted file by itself
-        (``dynamo-runtime.md`` §12.2).
+        (``dynamo-runtime.md`` §12.2). While the control plane is unreachable (etcd down) the writes fail, which is
+        logged; the next check tries again. With etcd, a write refused while etcd answers means our lease is gone
+        (etcd restarted without its data): that raises :class:`ControlPlaneLost` at once instead of waiting for
+        Dynamo's keep-alive to give up (~20 s).
         """
-        if self._serving and not self._withdrawn:
-            await self._edge.run(b.restore, self._endpoint)
-        if self._registration is not None:
-            await self._edge.run(b.register, self._endpoint, self._registration)
+        try:
+            if self._serving and not self._withdrawn:
+                await self._edge.run(b.restore, self._endpoint)
+            if self._registration is not None:
+                await self._edge.run(b.register, self._endpoint, self._registration)
+        except Exception as exc:
+            where = b.control_plane(self._settings) or f"{self._settings.discovery_backend} discovery"
+            if self._settings.discovery_backend == "etcd" and await _etcd_answers():
+                self._lost = True
+                raise b.ControlPlaneLost(
+                    f"control plane lost ({where}): etcd answers but refuses our registration, so our lease is gone "
+                    "(etcd restarted without its data?); exiting so a supervisor restarts this worker"
+                ) from None
+            logger.warning("dynamo: re-publishing our registration failed (%s): %s; retrying later", where, exc)
 
     async def serve(
         self, nursery: trio.Nursery, handler: RequestHandler, *, health_check_payload: dict[str, Any] | None = None
@@ -174,6 +208,16 @@ class DynamoWorker:
                 inner.cancel_scope.cancel(reason="serve_endpoint returned")
         finally:
             self._served.set()
+        if not self._shutdown_sent:
+            # Nobody asked the runtime to stop: it shut itself down, which Dynamo does when its etcd lease cannot be
+            # kept (etcd away longer than the lease) or is gone (etcd restarted without its data). The endpoint and
+            # lease are dead; only a fresh process can register again.
+            self._lost = True
+            where = b.control_plane(self._settings) or f"{self._settings.discovery_backend} discovery"
+            raise b.ControlPlaneLost(
+                f"control plane lost ({where}): the Dynamo runtime shut itself down (etcd lease expired or gone); "
+                "exiting so a supervisor restarts this worker"
+            )
 
     async def shutdown(self) -> None:
         """Graceful shutdown: deregister (no new requests), wait for in-flight requests, tear down.
@@ -212,14 +256,24 @@ class DynamoWorker:
         "Everything" = the instance (while serving and not withdrawn) and the model card (while registered). With
         file discovery this reads the files (see :func:`file_discovery_keys`); a file older than the 10 s TTL counts
         as lost. With other backends only the instance is checked, through a discovery-watching client.
+
+        etcd: our keys live on the runtime's lease, so they go only when the lease goes (and then the runtime shuts
+        itself down: :class:`ControlPlaneLost`, raised here too) or when someone deletes them (republish helps).
+        While etcd is unreachable the watching client keeps its last view, so an outage alone never looks like a
+        lost registration; a view that cannot be read counts as present (nothing to republish into).
         """
+        if self._lost:
+            raise b.ControlPlaneLost("control plane lost: the Dynamo runtime shut itself down")
         if self._settings.discovery_backend == "file":
             instance, card = file_discovery_keys(self._settings, self._instance_id)
             if self._serving and not self._withdrawn and not await trio.to_thread.run_sync(_fresh, instance):
                 return False
             return self._registration is None or await trio.to_thread.run_sync(_fresh, card)
         if self._serving and not self._withdrawn:
-            return await self._instance_listed()
+            try:
+                return await self._instance_listed()
+            except Exception as exc:
+                logger.warning("dynamo: cannot read discovery (%s): %s", b.control_plane(self._settings), exc)
         return True
 
     async def _instance_listed(self) -> bool:

@@ -93,7 +93,7 @@ def dynamo_events(ops: Sequence[PublishOp]) -> list[dict[str, Any]]:
 class RankSubscription:
     """The KV event subscription of one rank. ``await run()`` until cancelled (or the rank fails).
 
-    ``synced`` is set each time a subscription delivers its first batch, ``resynced`` counts resyncs (tests).
+    ``synced`` is set once a subscription has delivered its first batch; ``resynced`` counts resyncs.
     """
 
     def __init__(

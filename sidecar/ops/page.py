@@ -148,10 +148,9 @@ def _svg(kind: MachineKind[Any, Any, Any]) -> str:
 
 
 def _table(kind: MachineKind[Any, Any, Any]) -> str:
-    counted = "total since start" if kind.name == "request" else "count"
     rows = [
         f'<table class="states" id="table-{kind.name}"><thead><tr><th>state</th><th title="current for non-terminal '
-        f'states, {counted} for terminal ones">count</th><th>meaning</th><th>what the operator sees</th>'
+        'states, total since start for terminal ones">count</th><th>meaning</th><th>what the operator sees</th>'
         "<th>what to do</th></tr></thead><tbody>"
     ]
     for state in kind.states:

@@ -8,7 +8,6 @@ OS-picked ports, every wait bounded, every process killed by the fixture that st
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
@@ -156,13 +155,16 @@ async def test_streamed_chat_is_prefilled_on_one_engine_and_decoded_on_the_other
             load_d, stats_d = await wait_quiet(stack.decode.address)
             # Prefill on one engine, decode on the other: two requests, two legs each.
             assert stats_p.get("prefill_legs", 0) - before_p.get("prefill_legs", 0) == 2
-            assert stats_p.get("decode_legs", 0) == 0 and stats_p.get("requests", 0) == 0
+            assert stats_p.get("decode_legs", 0) == 0
+            assert stats_p.get("requests", 0) == 0
             assert stats_d.get("decode_legs", 0) - before_d.get("decode_legs", 0) == 2
-            assert stats_d.get("prefill_legs", 0) == 0 and stats_d.get("requests", 0) == 0
+            assert stats_d.get("prefill_legs", 0) == 0
+            assert stats_d.get("requests", 0) == 0
             # Every session handed off was claimed by the decode engine; none expired.
             assert stats_p["kv_sessions_created"] == stats_p["kv_sessions_claimed"]
             assert stats_p.get("kv_sessions_expired", 0) == 0
-            assert load_p.used_kv_blocks == 0 and load_d.used_kv_blocks == 0
+            assert load_p.used_kv_blocks == 0
+            assert load_d.used_kv_blocks == 0
 
 
 async def test_32_concurrent_disaggregated_requests_complete_and_leave_nothing_behind(
@@ -171,7 +173,10 @@ async def test_32_concurrent_disaggregated_requests_complete_and_leave_nothing_b
     results: list[tuple[str, int, int]] = []
     with trio.fail_after(180):
         async with start_disagg(
-            dynamo_env, frontend, prefill_args=("--decode-ms-per-token", "5"), decode_args=("--decode-ms-per-token", "5")
+            dynamo_env,
+            frontend,
+            prefill_args=("--decode-ms-per-token", "5"),
+            decode_args=("--decode-ms-per-token", "5"),
         ) as stack:
             _, before_p = await engine_view(stack.prefill.address)
             _, before_d = await engine_view(stack.decode.address)
@@ -195,8 +200,10 @@ async def test_32_concurrent_disaggregated_requests_complete_and_leave_nothing_b
 
             load_p, stats_p = await wait_quiet(stack.prefill.address)
             load_d, stats_d = await wait_quiet(stack.decode.address)
-            assert load_p.running_requests == 0 and load_p.active_kv_sessions == 0
-            assert load_d.running_requests == 0 and load_d.active_kv_sessions == 0
+            assert load_p.running_requests == 0
+            assert load_p.active_kv_sessions == 0
+            assert load_d.running_requests == 0
+            assert load_d.active_kv_sessions == 0
             assert stats_p["prefill_legs"] - before_p.get("prefill_legs", 0) == 32
             assert stats_d["decode_legs"] - before_d.get("decode_legs", 0) == 32
             assert stats_p["kv_sessions_claimed"] - before_p.get("kv_sessions_claimed", 0) == 32
@@ -225,7 +232,7 @@ async def test_a_client_gone_before_the_first_decode_token_strands_no_kv_session
                     http.stream("POST", f"{frontend.url}/v1/chat/completions", json=body) as response,
                 ):
                     async for line in response.aiter_lines():
-                        assert not line.startswith("data: {\"id\"") or '"content"' not in line, "no token yet"
+                        assert not line.startswith('data: {"id"') or '"content"' not in line, "no token yet"
             gone_at = trio.current_time()
             # Deferred, then aborted: the session was claimed (not stranded), and the decode engine stopped.
             load_p, stats_p = await wait_quiet(stack.prefill.address, timeout=10)
@@ -234,7 +241,8 @@ async def test_a_client_gone_before_the_first_decode_token_strands_no_kv_session
             assert waited < 5, f"the decode leg ran on for {waited:.1f} s after the client left"
             assert stats_p["kv_sessions_claimed"] - before_p.get("kv_sessions_claimed", 0) == 1
             assert stats_p.get("kv_sessions_expired", 0) == 0
-            assert load_p.used_kv_blocks == 0 and load_d.used_kv_blocks == 0
+            assert load_p.used_kv_blocks == 0
+            assert load_d.used_kv_blocks == 0
             await stack.decode_worker.process.wait_for_log(r"client stop deferred until the KV transfer lands", 5)
 
 
@@ -246,9 +254,7 @@ async def test_a_prefill_engine_error_reaches_the_client_and_no_decode_runs(
         async with start_disagg(dynamo_env, frontend, prefill_args=("--speedup", "0", "--faults-from-prompt")) as stack:
             _, before_d = await engine_view(stack.decode.address)
             with pytest.raises(openai.InternalServerError):
-                await stack.call(
-                    lambda c: c.chat.completions.create(model=MODEL, messages=user(fault), max_tokens=8)
-                )
+                await stack.call(lambda c: c.chat.completions.create(model=MODEL, messages=user(fault), max_tokens=8))
             _, stats_d = await wait_quiet(stack.decode.address)
             await wait_quiet(stack.prefill.address)
             assert stats_d.get("decode_legs", 0) == before_d.get("decode_legs", 0), "no decode after a failed prefill"
@@ -287,9 +293,14 @@ async def test_a_prefill_engine_without_a_cache_transceiver_fails_saying_why(
             assert load.active_kv_sessions == 0
 
 
-async def test_a_dead_decode_engine_is_a_migratable_error(dynamo_env: DynamoEnv, frontend: Frontend) -> None:
+async def test_a_dead_decode_engine_is_a_migratable_error_and_the_orphan_session_times_out(
+    dynamo_env: DynamoEnv, frontend: Frontend
+) -> None:
     with trio.fail_after(150):
-        async with start_disagg(dynamo_env, frontend, prefill_args=("--speedup", "0")) as stack:
+        async with start_disagg(
+            dynamo_env, frontend, prefill_args=("--speedup", "0", "--kv-session-timeout", "2")
+        ) as stack:
+            _, before_p = await engine_view(stack.prefill.address)
             stack.decode.process.signal(signal.SIGKILL)
             await stack.decode.process.wait(10)
             async with httpx.AsyncClient(timeout=30) as http:
@@ -297,11 +308,15 @@ async def test_a_dead_decode_engine_is_a_migratable_error(dynamo_env: DynamoEnv,
                     f"{frontend.url}/v1/chat/completions",
                     json={"model": MODEL, "messages": user("Tell me about the river."), "max_tokens": 8},
                 )
-            # Migratable errors (Disconnected, EngineShutdown, CannotConnect) are 503 at --migration-limit 0.
+            # The decode leg's transport loss is Disconnected: migratable (503 at --migration-limit 0; another
+            # decode worker would take it over at a higher limit).
             assert response.status_code == 503, response.text
-            await stack.decode_worker.process.wait_for_log(r"UNAVAILABLE|engine lost|unreachable", 10)
-            # The prefill leg's session was handed off but never claimed: the prefill engine still holds it (until
-            # its timeout) -- the stranding the deferral protects against when the decode side is alive.
-            load_p, _ = await engine_view(stack.prefill.address)
+            await stack.decode_worker.process.wait_for_log(r"dynamo\._core\.Disconnected: Generate: UNAVAILABLE", 10)
+            # The prefill leg handed its session off, but no decode claimed it: the prefill engine holds it until its
+            # --kv-session-timeout, then releases it (counted as expired).
+            load_p, stats_p = await engine_view(stack.prefill.address)
             assert load_p.running_requests == 0
-            assert json.dumps({"held": load_p.active_kv_sessions})  # reported either way
+            assert stats_p["kv_sessions_created"] - before_p.get("kv_sessions_created", 0) == 1
+            load_p, stats_p = await wait_quiet(stack.prefill.address, timeout=10)
+            assert stats_p.get("kv_sessions_expired", 0) == 1
+            assert load_p.used_kv_blocks == 0

@@ -142,9 +142,8 @@ async def test_every_control_rpc(client: EngineClient) -> None:
         lambda c: c.list_loras(),
         lambda c: c.load_lora("a", "/tmp/a", 1),
         lambda c: c.unload_lora("a"),
-        lambda c: c.get_kv_event_sources([0]),
     ],
-    ids=["ListLoras", "LoadLora", "UnloadLora", "GetKvEventSources"],
+    ids=["ListLoras", "LoadLora", "UnloadLora"],
 )
 async def test_unsupported_rpcs_are_unimplemented(client: EngineClient, call: Any) -> None:
     with trio.fail_after(TEST_BOUND), pytest.raises(EngineRpcError) as caught:
@@ -152,11 +151,20 @@ async def test_unsupported_rpcs_are_unimplemented(client: EngineClient, call: An
     assert caught.value.code is GrpcCode.UNIMPLEMENTED
 
 
-async def test_subscribe_kv_events_unimplemented(client: EngineClient) -> None:
-    with trio.fail_after(TEST_BOUND), pytest.raises(EngineRpcError) as caught:
-        await subscribe(client)
-    assert caught.value.code is GrpcCode.UNIMPLEMENTED
-    assert caught.value.rpc == "SubscribeKvEvents"
+async def test_kv_event_rpcs_unimplemented_as_trt_baseline(edge: Edge) -> None:
+    """``--kv-events unimplemented``: both KV-event RPCs answer UNIMPLEMENTED (the default mock streams events)."""
+    with trio.fail_after(TEST_BOUND):
+        async with (
+            start_mock("--kv-events", "unimplemented") as mock,
+            connected_client(edge, mock.endpoint) as client,
+        ):
+            with pytest.raises(EngineRpcError) as sources:
+                await client.get_kv_event_sources([0])
+            assert sources.value.code is GrpcCode.UNIMPLEMENTED
+            with pytest.raises(EngineRpcError) as caught:
+                await subscribe(client)
+            assert caught.value.code is GrpcCode.UNIMPLEMENTED
+            assert caught.value.rpc == "SubscribeKvEvents"
 
 
 async def test_lora_rpcs_with_capability(edge: Edge, tmp_path: Path) -> None:

@@ -253,7 +253,9 @@ def test_client_disconnect_frees_the_request(addr: str) -> None:
     assert load.used_kv_blocks == 0
 
 
-def test_kv_event_rpcs_are_unimplemented(addr: str) -> None:
+def test_kv_event_rpcs_are_unimplemented_as_trt_baseline(start_mock: StartMock) -> None:
+    addr = start_mock("--kv-events", "unimplemented").address
+
     async def run(ch: Channel) -> list[tuple[Status, str | None]]:
         stub = control(ch)
         sources = await status_of(stub.GetKvEventSources(kv_pb2.GetKvEventSourcesRequest()))

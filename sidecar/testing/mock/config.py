@@ -27,7 +27,7 @@ SCHEMA_RELEASE_PREFIX = SCHEMA_RELEASE_FULL[:12]
 
 Role = Literal["aggregated", "prefill", "decode", "unspecified"]
 HealthFlag = Literal["ready", "not_ready", "degraded"]
-KvEventsFlag = Literal["grpc", "disabled", "unimplemented"]
+KvEventsFlag = Literal["grpc", "zmq", "disabled", "unimplemented"]
 #: ``--kv-fault`` kinds (``kvevents.py``): what happens to one batch of the KV event stream.
 KV_FAULT_KINDS = ("gap", "repeat", "drop", "error", "eof")
 
@@ -231,10 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument(
         "--kv-events",
-        choices=["grpc", "disabled", "unimplemented"],
+        choices=["grpc", "zmq", "disabled", "unimplemented"],
         default=d.kv_events,
-        help="grpc: stream KV events over SubscribeKvEvents; disabled: no sources; unimplemented: both KV-event RPCs "
-        "answer UNIMPLEMENTED, as TensorRT-LLM's baseline [%(default)s]",
+        help="grpc: stream KV events over SubscribeKvEvents; zmq: publish them on a ZeroMQ PUB socket (vLLM msgpack) "
+        "advertised by GetKvEventSources; disabled: no sources; unimplemented: both KV-event RPCs answer "
+        "UNIMPLEMENTED, as TensorRT-LLM's baseline [%(default)s]",
     )
     p.add_argument(
         "--kv-snapshot",

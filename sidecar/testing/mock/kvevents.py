@@ -22,6 +22,12 @@ Faults (``--kv-fault KIND@N``, each fires once, when batch ``#N`` is flushed, fo
 ``gap`` — batch N is not delivered (the subscriber sees N−1 then N+1); ``repeat`` — delivered twice; ``drop`` — the
 stream ends with status UNAVAILABLE instead of batch N; ``error`` — a final ``EngineError(INTERNAL, retryable=true)``
 then OK; ``eof`` — the stream ends with OK and no error. Batch N stays in the replay log either way.
+
+ZMQ (``--kv-events zmq``, as TensorRT-LLM's newer builds and vLLM publish): the same batches also go out on a ZeroMQ
+PUB socket (``zmtp.py``) as the three frames ``[topic, sequence (8 bytes big-endian), msgpack([timestamp, [event,
+…], dp_rank])]``, each event a map ``{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
+"block_size"[, "lora_name"]}`` / ``{"type": "BlockRemoved", "block_hashes"}`` (vLLM's wire format, as Dynamo's own
+``ZmqKvEventPublisher`` writes it). ``gap`` and ``repeat`` apply there too.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from openengine.v1 import error_pb2, kv_pb2
 
 from .kvcache import BlockPool, BlockStored, KvEvent
 from .validate import Rejection
+from .zmtp import ZmtpPublisher
 
 __all__ = [
     "HASH_ENCODING",
@@ -50,6 +57,7 @@ __all__ = [
     "Subscription",
     "encode_hash",
     "to_batch_events",
+    "vllm_payload",
 ]
 
 log = logging.getLogger("openengine_mock")
@@ -111,6 +119,40 @@ def to_batch_events(events: Iterable[KvEvent], lora_id_of: Callable[[str], int] 
     return out
 
 
+def _decimal(block_hash: kv_pb2.KvBlockHash) -> int:
+    return int(block_hash.value)
+
+
+def vllm_payload(batch: kv_pb2.KvEventBatch) -> bytes:
+    """One batch in vLLM's ZMQ wire format: msgpack of ``[timestamp_s, [event map, …], dp_rank]``."""
+    import msgspec  # the frontend's dependency; only --kv-events zmq needs it here
+
+    events: list[dict[str, object]] = []
+    for event in batch.events:
+        if event.HasField("block_stored"):
+            stored = event.block_stored
+            item: dict[str, object] = {
+                "type": "BlockStored",
+                "block_hashes": [_decimal(h) for h in stored.block_hashes],
+                "parent_block_hash": _decimal(stored.parent_block_hash)
+                if stored.HasField("parent_block_hash")
+                else None,
+                "token_ids": list(stored.token_ids),
+                "block_size": stored.block_size,
+            }
+            if stored.lora_name:
+                item["lora_name"] = stored.lora_name
+            events.append(item)
+        elif event.HasField("block_removed"):
+            events.append(
+                {"type": "BlockRemoved", "block_hashes": [_decimal(h) for h in event.block_removed.block_hashes]}
+            )
+        elif event.HasField("all_blocks_cleared"):
+            events.append({"type": "AllBlocksCleared"})
+    payload: bytes = msgspec.msgpack.encode([batch.timestamp_unix_nanos / 1e9, events, batch.data_parallel_rank])
+    return payload
+
+
 @dataclasses.dataclass(eq=False)
 class Subscription:
     """One open ``SubscribeKvEvents`` stream: a queue of batches (and at most one way of ending)."""
@@ -141,12 +183,16 @@ class KvEventFeed:
         pool: BlockPool,
         *,
         faults: Mapping[int, KvFault] | Iterable[tuple[int, KvFault]] = (),
-        log_size: int = 4096,
+        log_size: int = 1024,
         lora_id_of: Callable[[str], int] = lambda _: 0,
         rank: int = 0,
+        enabled: bool = True,
     ) -> None:
         self.pool = pool
         self.rank = rank
+        #: The ZeroMQ publisher of ``--kv-events zmq`` (started by :meth:`start_zmq`), and its topic.
+        self.zmq: ZmtpPublisher | None = None
+        self.zmq_topic = "kv"
         self.next_seq = 1
         self.batches: collections.deque[kv_pb2.KvEventBatch] = collections.deque(maxlen=log_size)
         self.faults: dict[int, KvFault] = dict(faults)
@@ -154,7 +200,8 @@ class KvEventFeed:
         self._lora_id_of = lora_id_of
         self._pending: list[KvEvent] = []
         self._scheduled = False
-        pool.subscribe(self._on_event)
+        if enabled:  # an engine without KV events (--kv-events disabled|unimplemented) does no work for them
+            pool.subscribe(self._on_event)
 
     # -- producing ---------------------------------------------------------------------------------------------------
 
@@ -184,6 +231,10 @@ class KvEventFeed:
                 batch.sequence_number,
                 len(self.subscriptions),
             )
+        if self.zmq is not None and fault != "gap":
+            frames = [self.zmq_topic.encode(), batch.sequence_number.to_bytes(8, "big"), vllm_payload(batch)]
+            for _ in range(2 if fault == "repeat" else 1):
+                self.zmq.publish(frames)
         for sub in tuple(self.subscriptions):
             if fault == "gap":
                 continue
@@ -212,6 +263,27 @@ class KvEventFeed:
         self._check_ranks(request.data_parallel_ranks)
         response = kv_pb2.GetKvEventSourcesResponse()
         source = response.sources.add(transport="grpc", encoding="protobuf", data_parallel_rank=self.rank)
+        source.schema_version = 1
+        return response
+
+    async def start_zmq(self, host: str) -> None:
+        """Start the ZeroMQ publisher (idempotent)."""
+        if self.zmq is None:
+            publisher = ZmtpPublisher()
+            await publisher.start(host, 0)
+            self.zmq = publisher
+
+    def zmq_sources(self, request: kv_pb2.GetKvEventSourcesRequest) -> kv_pb2.GetKvEventSourcesResponse:
+        """``GetKvEventSources`` of ``--kv-events zmq``: one msgpack publisher for rank 0 (after :meth:`start_zmq`)."""
+        assert self.zmq is not None
+        self._check_ranks(request.data_parallel_ranks)
+        response = kv_pb2.GetKvEventSourcesResponse()
+        source = response.sources.add(
+            transport="zmq", encoding="msgpack", topic=self.zmq_topic, data_parallel_rank=self.rank
+        )
+        source.endpoint_addr.host = self.zmq.host
+        source.endpoint_addr.port = self.zmq.port
+        source.endpoint_addr.protocol = "tcp"
         source.schema_version = 1
         return response
 

@@ -145,6 +145,7 @@ class ControlService(openengine_grpc.ControlBase):
             engine.pool,
             faults=[(seq, cast("KvFault", kind)) for seq, kind in engine.config.kv_faults],
             lora_id_of=lambda name: adapter.lora_id if (adapter := engine.loras.get(name)) is not None else 0,
+            enabled=engine.config.kv_events in ("grpc", "zmq"),
         )
 
     # -- discovery ---------------------------------------------------------------------------------------------------
@@ -310,6 +311,9 @@ class ControlService(openengine_grpc.ControlBase):
             raise Rejection(Status.UNIMPLEMENTED, "GetKvEventSources is not supported")
         if mode == "disabled":
             return kv_pb2.GetKvEventSourcesResponse()
+        if mode == "zmq":
+            await self.kv_feed.start_zmq(self._engine.listen_host)
+            return self.kv_feed.zmq_sources(request)
         return self.kv_feed.sources(request)
 
     async def GetKvEventSources(
@@ -323,6 +327,8 @@ class ControlService(openengine_grpc.ControlBase):
             raise Rejection(Status.UNIMPLEMENTED, "SubscribeKvEvents is not supported")
         if mode == "disabled":
             raise Rejection(Status.FAILED_PRECONDITION, "KV events are disabled on this engine")
+        if mode == "zmq":
+            raise Rejection(Status.UNIMPLEMENTED, "SubscribeKvEvents is not supported (KV events are published on ZMQ)")
         if self._engine.draining:
             raise Rejection(Status.UNAVAILABLE, "openengine-mock is shutting down")
         if request.include_snapshot and not self._config.kv_snapshot:

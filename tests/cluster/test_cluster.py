@@ -1,0 +1,311 @@
+"""The sidecar on Dynamo's distributed control plane: etcd discovery, NATS request and event planes, two frontends
+and three workers (each with its own mock engine) on separate test hosts, and what each control-plane fault does.
+
+Every test asserts what clients see (complete answers or clean errors, never a truncated success) and records the
+time until traffic flows normally again (printed under "cluster recovery times"; quoted in docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+
+import httpx
+import pytest
+import trio
+
+from tests.faults._client import Outcome, stream_completion
+from tests.helpers.stack import engine_load, wait_engine_idle
+
+from .report import record
+from .topology import (
+    Cluster,
+    ClusterFrontend,
+    ClusterWorker,
+    frontend_instances,
+    routed_to,
+    status_of,
+    wait_instances,
+    wait_serving,
+)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+
+#: Bound on any one test (cluster start-up included): a hang fails, never blocks CI.
+TEST_BOUND = 150.0
+
+
+def _ids(cluster: Cluster) -> set[int]:
+    ids = {w.instance_id() for w in cluster.workers.values()}
+    assert None not in ids
+    return {i for i in ids if i is not None}
+
+
+async def _streams(frontends: list[ClusterFrontend], count: int, max_tokens: int, out: list[Outcome]) -> None:
+    """``count`` streaming completions spread over ``frontends``, all at once; outcomes appended to ``out``."""
+    async with trio.open_nursery() as nursery:
+        for i in range(count):
+
+            async def one(i: int = i) -> None:
+                url = frontends[i % len(frontends)].url
+                try:
+                    out.append(await stream_completion(url, f"Story {i}.", max_tokens=max_tokens, timeout=90))
+                except httpx.HTTPError as exc:  # the frontend went away mid-stream
+                    out.append(Outcome(status=0, error=repr(exc)))
+
+            nursery.start_soon(one)
+
+
+async def _running(workers: list[ClusterWorker]) -> int:
+    return sum([(await engine_load(w.engine_address)).running_requests or 0 for w in workers])
+
+
+async def _wait_running(workers: list[ClusterWorker], at_least: int, timeout: float = 30) -> None:
+    with trio.fail_after(timeout):
+        while await _running(workers) < at_least:
+            await trio.sleep(0.02)
+
+
+async def test_both_frontends_route_to_every_worker_across_hosts(cluster: Cluster) -> None:
+    with trio.fail_after(TEST_BOUND):
+        frontends = list(cluster.frontends.values())
+        await wait_instances(frontends, _ids(cluster), timeout=30)
+        for frontend in frontends:
+            for worker in cluster.workers.values():
+                await routed_to(frontend, worker, timeout=20)
+        if cluster.network.isolated:
+            # Each process bound its host's own address: nothing of the topology listens on a shared loopback.
+            for worker in cluster.workers.values():
+                assert f"listening on {worker.host.address}:" in worker.engine.log()
+        mode = cluster.network.mode + (f": {cluster.network.reason}" if cluster.network.reason else "")
+        record("test hosts", None, mode)
+
+
+@pytest.mark.parametrize("cluster", [{"workers": ("w1", "w2")}], indirect=True)
+async def test_a_joining_worker_takes_traffic_from_both_frontends(cluster: Cluster) -> None:
+    with trio.fail_after(TEST_BOUND):
+        frontends = list(cluster.frontends.values())
+        await wait_serving(frontends, timeout=30)
+        started = time.monotonic()
+        joined = await cluster.start_worker("w3")
+        serving = time.monotonic() - started
+        times = [await routed_to(frontend, joined, timeout=30) for frontend in frontends]
+        await wait_instances(frontends, _ids(cluster), timeout=10)
+        total = time.monotonic() - started
+    record("worker join: start to traffic from both frontends", total, f"sidecar serving after {serving:.2f} s")
+    assert total < 60, times
+
+
+@pytest.mark.parametrize("cluster", [{"engine_args": ("--decode-ms-per-token", "10")}], indirect=True)
+async def test_a_drained_worker_leaves_both_frontends_before_it_exits_and_loses_no_request(cluster: Cluster) -> None:
+    in_flight: list[Outcome] = []
+    during: list[int] = []
+    with trio.fail_after(TEST_BOUND):
+        frontends = list(cluster.frontends.values())
+        victim = cluster.workers["w1"]
+        others = [w for w in cluster.workers.values() if w is not victim]
+        victim_id = victim.instance_id()
+        await wait_instances(frontends, _ids(cluster), timeout=30)
+        async with trio.open_nursery() as nursery:
+            # 500 tokens at 10 ms: about 5 s of decoding that the drain must wait for.
+            nursery.start_soon(_streams, frontends, 12, 500, in_flight)
+            with trio.fail_after(30):
+                while ((await engine_load(victim.engine_address)).running_requests or 0) < 2:
+                    await trio.sleep(0.02)
+            sent = time.monotonic()
+            victim.sidecar.signal(signal.SIGTERM)
+            with trio.fail_after(10):
+                for frontend in frontends:
+                    while victim_id in await frontend_instances(frontend.url):
+                        await trio.sleep(0.01)
+            withdrawn = time.monotonic() - sent
+            assert victim.sidecar.returncode is None, "the worker exited before both frontends stopped routing to it"
+            assert (await engine_load(victim.engine_address)).running_requests, "nothing left to drain: test too slow"
+            received = victim.received()
+
+            async def new_request(i: int) -> None:
+                during.append(await status_of(frontends[i % 2].url, prompt=f"during drain {i}"))
+
+            # New requests while the worker drains: all go elsewhere and all succeed.
+            async with trio.open_nursery() as requests:
+                for i in range(12):
+                    requests.start_soon(new_request, i)
+            assert victim.received() == received, "a frontend routed a new request to the draining worker"
+            with trio.fail_after(60):
+                assert await victim.sidecar.proc.wait() == 0
+            exited = time.monotonic() - sent
+        assert during == [200] * 12
+        assert len(in_flight) == 12
+        assert all(o.succeeded and o.completion_tokens == 500 for o in in_flight), [
+            o for o in in_flight if not o.succeeded
+        ][:3]
+        log = victim.sidecar.log()
+        assert "serving -> draining" in log
+        assert "draining -> stopped" in log
+        await wait_engine_idle(victim.engine_address, timeout=5)
+        for worker in others:
+            assert worker.sidecar.returncode is None
+    record("drain: SIGTERM to gone from both frontends", withdrawn, f"worker exited 0 after {exited:.2f} s")
+    record("drain: interruption seen by clients", 0.0, "12/12 in-flight complete, 12/12 new requests served")
+
+
+async def test_etcd_restart_keeps_every_worker_and_renews_leases(cluster: Cluster) -> None:
+    statuses: list[int] = []
+    with trio.fail_after(TEST_BOUND):
+        frontends = list(cluster.frontends.values())
+        ids = _ids(cluster)
+        await wait_instances(frontends, ids, timeout=30)
+        await cluster.stop_etcd(signal.SIGKILL)
+        down = time.monotonic()
+        # Routing works from each frontend's discovery view while etcd is away.
+        while time.monotonic() - down < 3.0:
+            for frontend in frontends:
+                statuses.append(await status_of(frontend.url, prompt="etcd away"))
+        await cluster.start_etcd()
+        up = time.monotonic()
+        relisted = await wait_instances(frontends, ids, timeout=30)
+        # Longer than the 10 s lease: the restarted etcd keeps the leases only if the workers renew them.
+        while time.monotonic() - up < 12.0:
+            for frontend in frontends:
+                statuses.append(await status_of(frontend.url, prompt="etcd back"))
+            await trio.sleep(0.2)
+        assert await frontend_instances(frontends[0].url) == ids
+        assert await frontend_instances(frontends[1].url) == ids
+        for frontend in frontends:
+            for worker in cluster.workers.values():
+                await routed_to(frontend, worker, timeout=10)
+        for worker in cluster.workers.values():
+            assert worker.sidecar.returncode is None
+            assert "control plane lost" not in worker.sidecar.log()
+        for frontend in frontends:
+            assert frontend.process.returncode is None
+    failed = [s for s in statuses if s != 200]
+    assert not failed, f"{len(failed)} of {len(statuses)} requests failed during the etcd restart: {failed[:5]}"
+    record("etcd restart: failed requests", 0.0, f"0 of {len(statuses)}; traffic never stopped")
+    record("etcd restart: etcd up to every instance listed again in both frontends", relisted)
+
+
+async def test_etcd_restart_without_its_data_workers_exit_and_re_register(cluster: Cluster) -> None:
+    failures: list[tuple[float, str, int]] = []
+    with trio.fail_after(TEST_BOUND):
+        frontends = list(cluster.frontends.values())
+        await wait_instances(frontends, _ids(cluster), timeout=30)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cluster.supervise)
+            await cluster.stop_etcd(signal.SIGKILL)
+            shutil.rmtree(cluster.root / "etcd")
+            await cluster.start_etcd()
+            up = time.monotonic()
+            # Every lease is gone. Each sidecar finds its registration refused by an etcd that answers, says so in
+            # one line and exits 1; the supervisor starts it again and it registers afresh (new lease, new id).
+            with trio.fail_after(60):
+                while not all(w.restarts for w in cluster.workers.values()):
+                    await trio.sleep(0.1)
+            workers_back = time.monotonic() - up
+            # Dynamo's frontends lose their leases too: their runtime shuts down and the process exits once the
+            # keep-alive gives up; the supervisor restarts them. Watch traffic until that has played out.
+            while time.monotonic() - up < 35.0:
+                for name, frontend in list(cluster.frontends.items()):
+                    status = await status_of(frontend.url, prompt="after etcd data loss", timeout=10)
+                    if status != 200:
+                        failures.append((time.monotonic() - up, name, status))
+                await trio.sleep(0.1)
+            await wait_serving(list(cluster.frontends.values()), timeout=30)
+            await wait_instances(list(cluster.frontends.values()), _ids(cluster), timeout=30)
+            nursery.cancel_scope.cancel()
+        for worker in cluster.workers.values():
+            first_run = worker.sidecar.log_path.with_name(f"{worker.name}.log").read_text(errors="replace")
+            assert first_run.count("control plane lost") == 1, first_run[-3000:]
+            assert "Traceback" not in first_run
+            assert worker.sidecar.returncode is None
+    normal = max((t for t, _, _ in failures), default=workers_back)
+    restarts = sum(cluster.frontend_restarts.values())
+    record("etcd restart without data: etcd up to every sidecar restarted and registered", workers_back)
+    record(
+        "etcd restart without data: etcd up to normal traffic on both frontends",
+        normal,
+        f"{restarts} frontend restart(s); {len(failures)} failed probes, last at {normal:.1f} s",
+    )
+
+
+@pytest.mark.parametrize("cluster", [{"engine_args": ("--decode-ms-per-token", "10")}], indirect=True)
+async def test_nats_restart_in_flight_streams_finish_new_requests_fail_migratably_then_succeed(
+    cluster: Cluster,
+) -> None:
+    in_flight: list[Outcome] = []
+    during: list[int] = []
+    with trio.fail_after(TEST_BOUND):
+        frontends = list(cluster.frontends.values())
+        workers = list(cluster.workers.values())
+        await wait_serving(frontends, timeout=30)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_streams, frontends, 6, 200, in_flight)
+            await _wait_running(workers, 6)
+            await cluster.stop_nats(signal.SIGKILL)
+
+            async def dispatch(i: int) -> None:
+                await trio.sleep(0.3 * i)
+                during.append(await status_of(frontends[i % 2].url, prompt=f"nats away {i}", timeout=60))
+
+            async with trio.open_nursery() as requests:
+                for i in range(4):
+                    requests.start_soon(dispatch, i)
+                await trio.sleep(3.0)
+                await cluster.start_nats()
+                normal = await wait_serving(frontends, timeout=30)
+        # The response plane is TCP from worker to frontend: streams already flowing never touch NATS.
+        assert len(in_flight) == 6
+        assert all(o.succeeded and o.completion_tokens == 200 for o in in_flight), in_flight
+        # A request dispatched while NATS is away fails with a migratable 503 (cannot_connect) and is retried on
+        # another worker (--migration-limit 3): it succeeds once NATS is back, else the client sees the 503.
+        assert set(during) <= {200, 503}, during
+        for worker in workers:
+            assert worker.sidecar.returncode is None
+    record("NATS restart: NATS up to normal traffic on both frontends", normal)
+    record(
+        "NATS restart: requests dispatched during the 3 s outage",
+        None,
+        f"{during.count(200)} of {len(during)} migrated and served, {during.count(503)} got 503; "
+        "6/6 in-flight streams complete",
+    )
+
+
+@pytest.mark.parametrize("cluster", [{"engine_args": ("--decode-ms-per-token", "10")}], indirect=True)
+async def test_one_frontend_dies_and_the_other_keeps_serving(cluster: Cluster) -> None:
+    on_dead: list[Outcome] = []
+    survivor_statuses: list[int] = []
+    with trio.fail_after(TEST_BOUND):
+        dead, alive = cluster.frontends["fe1"], cluster.frontends["fe2"]
+        workers = list(cluster.workers.values())
+        await wait_serving([dead, alive], timeout=30)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_streams, [dead], 3, 300, on_dead)
+            await _wait_running(workers, 3)
+            await cluster.stop_frontend("fe1", signal.SIGKILL)
+            killed = time.monotonic()
+            released: list[float] = []
+
+            async def engines_idle() -> None:
+                for worker in workers:
+                    await wait_engine_idle(worker.engine_address, timeout=10)
+                released.append(time.monotonic() - killed)
+
+            nursery.start_soon(engines_idle)
+            while time.monotonic() - killed < 3.0:
+                survivor_statuses.append(await status_of(alive.url, prompt="other frontend"))
+        # The dead frontend's streams end with an error, and the workers abort them on the engines.
+        assert all(not o.succeeded for o in on_dead), on_dead
+        for worker in workers:
+            assert worker.sidecar.returncode is None
+            await routed_to(alive, worker, timeout=10)
+        restarting = time.monotonic()
+        restarted = await cluster.restart_frontend("fe1")
+        await wait_serving([restarted], timeout=30)
+        await wait_instances([restarted], _ids(cluster), timeout=10)
+        back = time.monotonic() - restarting
+    assert survivor_statuses, "no request reached the surviving frontend"
+    assert set(survivor_statuses) == {200}, survivor_statuses
+    record("frontend killed: failed requests on the other frontend", 0.0, f"0 of {len(survivor_statuses)}")
+    record("frontend killed: its streams released on the engines", released[0])
+    record("frontend killed: restart to serving with every worker", back, "discovered from etcd")

@@ -1,0 +1,1 @@
+"""Disaggregated prefill/decode: handoff codec, legs, deferral, roles, and the mock's KV sessions."""

@@ -1,0 +1,224 @@
+"""Resync against the real thing: ``openengine-mock`` (subprocess) → routing signals → Dynamo's ``KvEventPublisher``
+→ Dynamo's own ``KvRouter`` index, all real, in one process (in-memory discovery, ZMQ event plane on loopback).
+
+For each ``--kv-fault`` the mock breaks the batch that carries an eviction (#4: with 12 KV blocks the third request
+evicts the first request's tail block). Without the resync the router would keep that block: a stale hit. After the
+resync, the router's view of every prompt must equal the engine's own (read from a fresh snapshot subscription).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from openengine.v1 import generation_pb2
+from openengine_bp.openengine.v1 import SubscribeKvEventsRequest
+from sidecar.dynamo import DynamoSettings, DynamoWorker, Registration, RequestContext, open_dynamo
+from sidecar.edge import Edge, open_edge
+from sidecar.engine import EngineClient, EngineClientConfig, open_engine_client
+from sidecar.kv import RoutingConfig, RoutingSignals, discover_routing, run_routing_signals
+from sidecar.kv._convert import decode_block_hash
+from sidecar.testing.mock.kvcache import prompt_block_hashes
+from tests.engine.conftest import start_mock
+
+BS = 16
+MODEL_DIR = Path(__file__).resolve().parents[2] / "sidecar" / "testing" / "mock" / "model"
+CONFIG = RoutingConfig(resync_backoff_s=0.05, load_poll_interval_s=0.2)
+
+
+async def _handler(request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[list[dict[str, Any]]]:
+    yield [{"token_ids": [1], "finish_reason": "length"}]
+
+
+async def _new_router(endpoint: Any) -> Any:
+    from dynamo.llm import KvRouter, KvRouterConfig
+
+    return KvRouter(endpoint, BS, KvRouterConfig())
+
+
+async def _overlap(router: Any, tokens: list[int]) -> int:
+    scores = await router.get_overlap_scores(tokens)
+    return sum(int(w["device_blocks"]) for w in scores["workers"])
+
+
+async def _dump(router: Any) -> str:
+    text: str = await router.dump_events()
+    return text
+
+
+@dataclass
+class Setup:
+    edge: Edge
+    client: EngineClient
+    dynamo: DynamoWorker
+    router: Any
+    signals: RoutingSignals
+
+    async def router_hits(self, tokens: list[int]) -> int:
+        return await self.edge.run(_overlap, self.router, tokens)
+
+    async def router_blocks(self) -> int:
+        events = json.loads(await self.edge.run(_dump, self.router))
+        return sum(len(e["event"]["data"]["stored"]["blocks"]) for e in events if "stored" in e["event"]["data"])
+
+    async def engine_blocks(self) -> set[int]:
+        """The engine's registered blocks, from a snapshot of a subscription of our own."""
+        request = SubscribeKvEventsRequest(data_parallel_ranks=[0], include_snapshot=True)
+        async with self.client.subscribe_kv_events(request) as stream:
+            async for messages in stream:
+                batch = messages[0].batch
+                assert batch is not None
+                return {
+                    decode_block_hash(h)
+                    for e in batch.events
+                    if e.block_stored is not None
+                    for h in e.block_stored.block_hashes
+                }
+        raise AssertionError("no snapshot")
+
+
+@asynccontextmanager
+async def setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *mock_flags: str) -> AsyncIterator[Setup]:
+    for name in ("DYN_TCP_RPC_HOST", "DYN_EVENT_PLANE_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_SYSTEM_HOST"):
+        monkeypatch.setenv(name, "127.0.0.1")
+    monkeypatch.setenv("DYN_SELF_HOST_METADATA", "0")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    async with (
+        start_mock("--total-kv-blocks", "12", *mock_flags) as mock,
+        open_edge() as edge,
+        open_engine_client(edge, EngineClientConfig(endpoint=mock.endpoint, connections=2)) as client,
+    ):
+        await client.wait_connected(trio.current_time() + 20)
+        from sidecar.convert import Capabilities
+
+        caps = Capabilities.from_discovery(await client.get_server_info(), await client.get_model_info("tiny-oe"))
+        plan = await discover_routing(client, caps, CONFIG)
+        assert plan.kv_events
+        settings = DynamoSettings(discovery_backend="mem", namespace=f"kvview{id(tmp_path) % 100000}")
+        registration = Registration(model_path=str(MODEL_DIR), served_model_name="tiny-oe", context_length=2048)
+        async with open_dynamo(edge, settings) as dynamo, trio.open_nursery() as nursery:
+            await dynamo.serve(nursery, _handler)
+            await dynamo.register(plan.registration(registration))
+            router = await edge.run(_new_router, dynamo._endpoint)
+            await trio.sleep(0.5)  # the router finds the worker and its event publisher
+            signals = await nursery.start(run_routing_signals, client, dynamo, plan, CONFIG)
+            yield Setup(edge, client, dynamo, router, signals)
+            nursery.cancel_scope.cancel()
+
+
+def prompt(seed: int) -> list[int]:
+    return [(seed * 31 + j) % 300 + 5 for j in range(4 * BS)]
+
+
+async def generate(client: EngineClient, request_id: str, tokens: list[int]) -> None:
+    request = generation_pb2.GenerateRequest(request_id=request_id, model="tiny-oe")
+    request.token_ids.ids.extend(tokens)
+    request.stopping.max_tokens = 2
+    request.sampling.temperature = 0.0
+    async with client.generate(request) as stream:
+        async for _ in stream:
+            pass
+
+
+def engine_hits(tokens: list[int], registered: set[int]) -> int:
+    hits = 0
+    for block_hash in prompt_block_hashes(tokens, BS):
+        if block_hash not in registered:
+            break
+        hits += 1
+    return hits
+
+
+async def settle(s: Setup, prompts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Wait (bounded) until the router agrees with the engine on every prompt; return both views."""
+    expected: list[int] = []
+    seen: list[int] = []
+    with trio.move_on_after(10):
+        while True:
+            registered = await s.engine_blocks()
+            expected = [engine_hits(p, registered) for p in prompts]
+            seen = [await s.router_hits(p) for p in prompts]
+            if seen == expected and await s.router_blocks() == len(registered):
+                break
+            await trio.sleep(0.1)
+    return expected, seen
+
+
+async def test_the_router_sees_what_the_engine_caches(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    with trio.fail_after(90):
+        async with setup(monkeypatch, tmp_path) as s:
+            prompts = [prompt(i) for i in range(3)]
+            await generate(s.client, "r0", prompts[0])
+            expected, seen = await settle(s, prompts[:1])
+            assert expected == seen == [4]
+            for i in (1, 2):
+                await generate(s.client, f"r{i}", prompts[i])
+            expected, seen = await settle(s, prompts)
+            assert seen == expected
+            assert expected[0] < 4, "the third request evicted a block of the first"
+            assert s.signals.subscriptions[0].resynced == 0
+
+
+def scenario() -> list[list[int]]:
+    """r0, r1, r2 fill the 12-block pool; r2's decode evicts r0's tail block: batch #4 is that removal. r3 reuses
+    r0's first three blocks and stores a new fourth (batch #5), touching nothing else the test looks at."""
+    prompts = [prompt(i) for i in range(3)]
+    return [*prompts, prompts[0][: 3 * BS] + prompt(7)[:BS]]
+
+
+@pytest.mark.parametrize(
+    ("kind", "batch"),
+    [("gap", 4), ("gap", 2), ("repeat", 4), ("drop", 4), ("error", 4), ("eof", 4)],
+    ids=["gap-removal", "gap-stores", "repeat", "drop", "error", "eof"],
+)
+async def test_after_each_fault_no_stale_block_stays_attributed(
+    kind: str, batch: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    with trio.fail_after(90):
+        async with setup(monkeypatch, tmp_path, "--kv-fault", f"{kind}@{batch}") as s:
+            sub = s.signals.subscriptions[0]
+            prompts = scenario()
+            for i, tokens in enumerate(prompts):
+                await generate(s.client, f"r{i}", tokens)
+                await trio.sleep(0.05)
+            with trio.fail_after(10):
+                while not (sub.resynced >= 1 and sub.lifecycle.state == "streaming"):
+                    await trio.sleep(0.02)
+            expected, seen = await settle(s, prompts)
+            assert seen == expected, f"router {seen} vs engine {expected} after a {kind} resync"
+            assert expected[0] == 3, "r0's tail block was evicted: a router still counting 4 would be stale"
+            assert await s.router_blocks() == len(await s.engine_blocks())
+            assert sub.resynced == 1
+
+
+async def test_a_zmq_source_is_relayed_by_dynamos_own_listener(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``--kv-events zmq``: the engine advertises a msgpack ZMQ publisher; Dynamo's listener subscribes to it itself
+    (nothing passes through the sidecar) and the router sees the engine's cache all the same."""
+    with trio.fail_after(90):
+        async with setup(monkeypatch, tmp_path, "--kv-events", "zmq", "--total-kv-blocks", "4096") as s:
+            assert s.signals.subscriptions == {}, "no SubscribeKvEvents for a ZMQ rank"
+            [relay] = s.signals.relays.values()
+            assert getattr(relay, "relay", "").startswith("tcp://127.0.0.1:")
+            # ZMQ is PUB/SUB: what is published before Dynamo's listener has subscribed is lost. Probe until a
+            # fresh prompt shows up at the router, then check the real ones.
+            with trio.fail_after(20):
+                for probe in range(100, 1000):
+                    await generate(s.client, f"probe{probe}", prompt(probe))
+                    await trio.sleep(0.2)
+                    if await s.router_hits(prompt(probe)) == 4:
+                        break
+            prompts = [prompt(i) for i in range(3)]
+            for i, tokens in enumerate(prompts):
+                await generate(s.client, f"r{i}", tokens)
+            with trio.move_on_after(10):
+                while [await s.router_hits(p) for p in prompts] != [4, 4, 4]:
+                    await trio.sleep(0.05)
+            assert [await s.router_hits(p) for p in prompts] == [4, 4, 4]
+            assert await s.router_hits(prompt(999)) == 0
