@@ -217,10 +217,12 @@ async def start_mock(stack: Stack, stack_exit: AsyncExitStack, interval: int, sl
     stack.mock_target = port_file.read_text().strip()
 
 
-async def start_sidecar(stack: Stack, stack_exit: AsyncExitStack, nursery: trio.Nursery) -> None:
+async def start_sidecar(
+    stack: Stack, stack_exit: AsyncExitStack, nursery: trio.Nursery, extra: tuple[str, ...] = ()
+) -> None:
     argv = [
         sys.executable, "-m", "sidecar", "--grpc-endpoint", stack.mock_target, "--model-path", str(MODEL_DIR),
-        "--served-model-name", MODEL_B, "--log-level", "warning",
+        "--served-model-name", MODEL_B, "--log-level", "warning", *extra,
     ]  # fmt: skip
     stack.sidecar = await stack_exit.enter_async_context(
         start_process(argv, stack.denv.worker_env(), log_path=stack.denv.log_path("sidecar"), stop_grace=10)
@@ -365,28 +367,41 @@ async def warm_up(stack: Stack, plan: Plan, table: Path, models: tuple[str, ...]
             raise RuntimeError(f"warm-up through {model} failed: {result['errors']}")
 
 
+async def hold_many(
+    stack: Stack, plan: Plan, table: Path, model: str, sampler: Sampler, annotations: list[str]
+) -> tuple[int, int, dict[str, Any]]:
+    """RSS (from ``sampler``) after a warm-up, and while ``memory_requests`` requests are in flight at once."""
+    warm = load_config(stack.frontend.url, model, plan, table, 16, 32)
+    warm.update({"max_tokens": plan.memory_max_tokens, "hold_s": 1.0, "annotations": annotations})
+    await run_child("bench._e2e_load", warm, stack.work, 120)
+    await trio.sleep(1.0)
+    idle_warm = process_rss_bytes(sampler.pid)
+    config = load_config(stack.frontend.url, model, plan, table, plan.memory_requests, plan.memory_requests)
+    config.update({"max_tokens": plan.memory_max_tokens, "hold_s": plan.hold_s, "timeout_s": 180.0,
+                   "deadline_s": 180.0, "annotations": annotations})  # fmt: skip
+    result = await run_child("bench._e2e_load", config, stack.work, 240)
+    held_from, held_to = result.get("all_arrived"), result.get("released")
+    if held_from is None or held_to is None:
+        raise RuntimeError(f"not every request got a token ({result['failed']} failed): {result['errors'][:2]}")
+    return idle_warm, sampler.median(held_from + 0.2, held_to), result
+
+
 async def memory_test(stack: Stack, plan: Plan, table: Path) -> dict[str, Any]:
-    """Sidecar RSS idle, then with ``memory_requests`` requests in flight at once (slow mock), then after."""
+    """Sidecar RSS idle, then with ``memory_requests`` requests in flight at once (slow mock), then after; and the
+    same for the baseline worker (paced at 1 s per token), whose growth is what Dynamo's binding itself costs."""
     assert stack.sidecar is not None
     assert stack.sampler is not None
     pid = stack.sidecar.pid
     await trio.sleep(1.0)
     idle_fresh = process_rss_bytes(pid)
-    await warm_up(stack, plan, table, (MODEL_B,), plan.paced_max_tokens)
-    await trio.sleep(1.0)
-    idle_warm = process_rss_bytes(pid)
-    config = load_config(stack.frontend.url, MODEL_B, plan, table, plan.memory_requests, plan.memory_requests)
-    config.update(
-        {"max_tokens": plan.memory_max_tokens, "hold_s": plan.hold_s, "timeout_s": 180.0, "deadline_s": 180.0}
-    )
-    result = await run_child("bench._e2e_load", config, stack.work, 240)
-    held_from, held_to = result.get("all_arrived"), result.get("released")
-    if held_from is None or held_to is None:
-        raise RuntimeError(f"not every request got a token ({result['failed']} failed): {result['errors'][:2]}")
-    in_flight = stack.sampler.median(held_from + 0.2, held_to)
+    idle_warm, in_flight, result = await hold_many(stack, plan, table, MODEL_B, stack.sampler, [])
     await trio.sleep(2.0)
     after = process_rss_bytes(pid)
-    per_request = (in_flight - idle_warm) / plan.memory_requests
+    async with trio.open_nursery() as nursery:
+        sampler_a = Sampler(stack.worker_a.pid)
+        nursery.start_soon(sampler_a.run)
+        idle_a, in_flight_a, result_a = await hold_many(stack, plan, table, MODEL_A, sampler_a, ["pace_ms:1000"])
+        sampler_a.scope.cancel()
     out = {
         "requests": plan.memory_requests,
         "peak_in_flight_seen_by_client": result["peak_in_flight"],
@@ -396,12 +411,17 @@ async def memory_test(stack: Stack, plan: Plan, table: Path) -> dict[str, Any]:
         "idle_rss_after_warmup_mib": idle_warm / MiB,
         "in_flight_rss_mib": in_flight / MiB,
         "after_rss_mib": after / MiB,
-        "per_request_kib": per_request / 1024,
+        "per_request_kib": (in_flight - idle_warm) / plan.memory_requests / 1024,
+        "baseline_peak_in_flight": result_a["peak_in_flight"],
+        "baseline_idle_rss_mib": idle_a / MiB,
+        "baseline_in_flight_rss_mib": in_flight_a / MiB,
+        "baseline_per_request_kib": (in_flight_a - idle_a) / plan.memory_requests / 1024,
     }
     log(
-        f"  memory: idle {out['idle_rss_mib']:.1f} MiB (after warm-up {out['idle_rss_after_warmup_mib']:.1f}), "
-        f"{out['peak_in_flight_seen_by_client']} in flight {out['in_flight_rss_mib']:.1f} MiB "
-        f"→ {out['per_request_kib']:.1f} KiB/request; after {out['after_rss_mib']:.1f} MiB"
+        f"  memory: sidecar idle {out['idle_rss_mib']:.1f} MiB (after warm-up {out['idle_rss_after_warmup_mib']:.1f}),"
+        f" {out['peak_in_flight_seen_by_client']} in flight {out['in_flight_rss_mib']:.1f} MiB "
+        f"→ {out['per_request_kib']:.1f} KiB/request; after {out['after_rss_mib']:.1f} MiB; baseline worker "
+        f"{out['baseline_per_request_kib']:.1f} KiB/request ({out['baseline_peak_in_flight']} in flight)"
     )
     return out
 
@@ -493,8 +513,16 @@ async def run(plan: Plan, out: Path) -> dict[str, Any]:
             pacing = await _guarded_block(stack, nursery, plan.paced_ms, lambda: paced(stack, plan, table))
             data["paced"] = pacing if "error" not in pacing else _failed_paced(plan, pacing["error"])
             save()
+            # openengine-mock (grpclib, h2's default) allows 100 concurrent streams per connection: without
+            # enough connections the streams beyond 100 × pool size wait to open, and so do the sidecar's Control
+            # RPCs on those connections (Health times out, the worker declares the engine lost).
+            connections = str(min(256, -(-plan.memory_requests // 100) + 4))
             memory = await _guarded_block(
-                stack, nursery, plan.memory_decode_ms, lambda: memory_test(stack, plan, table)
+                stack,
+                nursery,
+                plan.memory_decode_ms,
+                lambda: memory_test(stack, plan, table),
+                ("--grpc-connections", connections),
             )
             data["memory"] = memory if "error" not in memory else _failed_memory(plan, memory["error"])
             save()
@@ -504,13 +532,17 @@ async def run(plan: Plan, out: Path) -> dict[str, Any]:
 
 
 async def _guarded_block(
-    stack: Stack, nursery: trio.Nursery, decode_ms: float, body: Callable[[], Awaitable[dict[str, Any]]]
+    stack: Stack,
+    nursery: trio.Nursery,
+    decode_ms: float,
+    body: Callable[[], Awaitable[dict[str, Any]]],
+    sidecar_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """A fresh paced mock (``--speedup 1``, ``decode_ms`` per step) and sidecar for ``body``; a failure is recorded."""
     try:
         async with AsyncExitStack() as block:
             await start_mock(stack, block, 1, slow_ms=decode_ms)
-            await start_sidecar(stack, block, nursery)
+            await start_sidecar(stack, block, nursery, sidecar_args)
             try:
                 return await body()
             finally:
@@ -559,9 +591,11 @@ def _failed_paced(plan: Plan, error: str) -> dict[str, Any]:
 
 
 def _failed_memory(plan: Plan, error: str) -> dict[str, Any]:
-    keys = ("idle_rss_mib", "idle_rss_after_warmup_mib", "in_flight_rss_mib", "after_rss_mib", "per_request_kib")
+    keys = ("idle_rss_mib", "idle_rss_after_warmup_mib", "in_flight_rss_mib", "after_rss_mib", "per_request_kib",
+            "baseline_idle_rss_mib", "baseline_in_flight_rss_mib", "baseline_per_request_kib")  # fmt: skip
     return {"error": error, "requests": plan.memory_requests, "peak_in_flight_seen_by_client": 0,
-            "failed": plan.memory_requests, "errors": [error], **dict.fromkeys(keys, math.nan)}  # fmt: skip
+            "baseline_peak_in_flight": 0, "failed": plan.memory_requests, "errors": [error],
+            **dict.fromkeys(keys, math.nan)}  # fmt: skip
 
 
 def _drop_block(stack: Stack) -> None:
@@ -693,7 +727,10 @@ def markdown(plan: Plan, data: dict[str, Any], summary: dict[str, Any], images: 
         f"{_f(memory['idle_rss_after_warmup_mib'], 1)} MiB after a warm-up; "
         f"{memory['peak_in_flight_seen_by_client']} requests in flight at once: "
         f"{_f(memory['in_flight_rss_mib'], 1)} MiB → **{_f(memory['per_request_kib'], 1)} KiB per request**; "
-        f"{_f(memory['after_rss_mib'], 1)} MiB once they were cancelled."
+        f"{_f(memory['after_rss_mib'], 1)} MiB once they were cancelled. The in-process baseline worker, holding "
+        f"{memory['baseline_peak_in_flight']} requests the same way: {_f(memory['baseline_idle_rss_mib'], 1)} → "
+        f"{_f(memory['baseline_in_flight_rss_mib'], 1)} MiB, **{_f(memory['baseline_per_request_kib'], 1)} KiB per "
+        f"request** — what Dynamo's binding itself costs per in-flight request."
     )
     lines.append("")
     lines.append("| goal | measured | target | |")

@@ -188,6 +188,7 @@ class Worker:
             context_length=discovery.context_length,
             abort_timeout_s=self.config.abort_timeout_s,
             inactivity_timeout_s=self.config.request_inactivity_timeout_s,
+            role=discovery.role,
         )
 
     async def _discover_until_ready(self, client: EngineClient, deadline: float) -> Discovery:
@@ -344,7 +345,12 @@ class Worker:
 
     async def _confirm_quiescence(self, client: EngineClient) -> bool:
         """GetLoad must show nothing of ours left: running 0 (required), queued and KV sessions 0 when reported."""
-        deadline = trio.current_time() + self.config.abort_timeout_s + 1.0
+        wait_s = self.config.abort_timeout_s + 1.0
+        if self._discovery is not None and self._discovery.role == "prefill":
+            # A prefill engine holds each handoff's KV blocks until a decode engine claims them: give the decode
+            # legs already routed the drain budget to do so before calling the engine not quiescent.
+            wait_s = max(wait_s, self.config.drain_timeout_s)
+        deadline = trio.current_time() + wait_s
         last = "no answer"
         while True:
             try:

@@ -138,9 +138,9 @@ async def wait_routable(url: str, workers: int, timeout: float = 30.0) -> None:
                 try:
                     health = (await http.get(f"{url}/health")).json()
                     models = [m["id"] for m in (await http.get(f"{url}/v1/models")).json().get("data", [])]
-                    if len(health.get("instances", [])) >= workers and MODEL in models:
-                        if (await http.post(f"{url}/v1/completions", json=body)).status_code == 200:
-                            return
+                    listed = len(health.get("instances", [])) >= workers and MODEL in models
+                    if listed and (await http.post(f"{url}/v1/completions", json=body)).status_code == 200:
+                        return
                 except (httpx.HTTPError, ValueError):
                     pass
                 await trio.sleep(0.05)

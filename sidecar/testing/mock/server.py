@@ -6,8 +6,8 @@ import asyncio
 import logging
 import os
 import signal
-import ssl
 import socket
+import ssl
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
