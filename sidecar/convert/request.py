@@ -24,6 +24,12 @@ Rules shared with Dynamo's Rust sidecars (``dynamo-sidecar.md`` §3) and TensorR
 * Stop strings and stop token ids (``stop_token_ids`` ∪ ``stop_token_ids_hidden``) are deduplicated
   and sorted; at most 64 conditions together, as TensorRT-LLM enforces.
 
+Capability-gated features (``docs/request-features.md``), each mapped only when the engine advertises it and
+refused otherwise: guided decoding (one guide, advertised mode), prompt logprobs (aggregated requests; returned on
+the final chunk), ``routing.priority`` → ``openengine-priority``, DP rank → ``openengine-target-dp-rank`` (never on
+a decode leg: its ``kv.session`` decides), the cache salt → ``kv.cache_salt``, prefix-cache bypass →
+``kv.bypass_prefix_cache``. The ``openengine-extra:{json}`` annotation fills ``GenerateRequest.extra`` (non-portable).
+
 Disaggregation (context-first, ``dynamo-sidecar.md`` §5, ``tensorrt-llm-openengine.md`` §8):
 
 * **prefill** leg: ``max_tokens = 1``; ``min_tokens`` kept (clamped to 1, which has the same effect: EOS cannot end
@@ -38,6 +44,7 @@ Disaggregation (context-first, ``dynamo-sidecar.md`` §5, ``tensorrt-llm-openeng
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -45,11 +52,12 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
 
 from openengine.v1 import generation_pb2
-from openengine_bp.openengine.v1 import EngineRole
+from openengine_bp.openengine.v1 import EngineRole, GuidedDecodingMode
 from sidecar.errors import RequestRejected
 
 from .handoff import handoff_to_session
 from .response import ResponseMapper
+from .structjson import StructValueError, json_to_pb_struct
 
 if TYPE_CHECKING:
     from .capabilities import Capabilities
@@ -113,7 +121,11 @@ FIELD_POLICY: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
         "model": (_IGNORED, "the worker serves one model; GenerateRequest.model comes from configuration"),
         "mdc_sum": (_IGNORED, "model-card checksum, frontend bookkeeping"),
         "eos_token_ids": (_IGNORED, "the engine knows its EOS tokens; the frontend applies EOS itself"),
-        "annotations": (_MAPPED, "'key:value' entries with a plain metadata key → gRPC metadata; others ignored"),
+        "annotations": (
+            _MAPPED,
+            "'key:value' entries with a plain metadata key → gRPC metadata; 'openengine-extra:{json object}' → "
+            "GenerateRequest.extra (non-portable engine knobs); others ignored",
+        ),
         "stop_conditions.max_tokens": (_MAPPED, "stopping.max_tokens, always sent (derived when absent)"),
         "stop_conditions.min_tokens": (_MAPPED, "stopping.min_tokens; must not exceed max_tokens"),
         "stop_conditions.stop": (_MAPPED, "stopping.conditions stop_text; deduplicated, sorted, empty strings dropped"),
@@ -141,25 +153,43 @@ FIELD_POLICY: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
             _MAPPED,
             "stopping.include_stop_in_output when generation.supports_stop_in_output, else refused",
         ),
-        "sampling_options.guided_decoding": (_REFUSED, "not mapped yet"),
+        "sampling_options.guided_decoding": (
+            _MAPPED,
+            "guided: json→json_schema ({'type':'object'} → json_object when advertised), regex, grammar→ebnf_grammar, "
+            "structural_tag, choice; one guide; mode must be advertised; backend/whitespace_pattern refused",
+        ),
         "output_options.logprobs": (
             _MAPPED,
             "response.return_output_logprobs + output_candidates.top_n = max(1, logprobs), within max_top_n",
         ),
-        "output_options.prompt_logprobs": (_REFUSED, "not mapped yet"),
+        "output_options.prompt_logprobs": (
+            _MAPPED,
+            "response.return_prompt_logprobs + prompt_candidates.top_n = max(1, k) when advertised; aggregated only; "
+            "returned on the final chunk as engine_data.prompt_logprobs",
+        ),
         "output_options.skip_special_tokens": (_IGNORED, "the frontend detokenizes"),
         "output_options.formatted_prompt": (_REFUSED, "not mapped (as Dynamo's engine-neutral sidecar)"),
         "output_options.return_tokens_as_token_ids": (_IGNORED, "the frontend renders tokens"),
-        "routing.priority": (_REFUSED, "not mapped yet (0 is the default)"),
-        "routing.dp_rank": (_REFUSED, "DP-rank targeting not mapped yet; ignored when it names the only rank"),
-        "routing.prefill_dp_rank": (_REFUSED, "as routing.dp_rank"),
+        "routing.priority": (_MAPPED, "metadata openengine-priority when supports_priority, else refused (0: omitted)"),
+        "routing.dp_rank": (
+            _MAPPED,
+            "metadata openengine-target-dp-rank when the engine advertises DP-rank targeting and the rank is in range "
+            "(else refused); ignored when it names the only rank; omitted on decode legs (kv.session decides)",
+        ),
+        "routing.prefill_dp_rank": (
+            _MAPPED,
+            "as routing.dp_rank, on prefill legs (which fall back to dp_rank); ignored on other legs",
+        ),
         "routing.lora_name": (_REFUSED, "LoRA not mapped yet"),
-        "routing.cache_salt": (_REFUSED, "cache salt not mapped yet"),
-        "routing.cache_namespace": (_REFUSED, "cache salt not mapped yet"),
+        "routing.cache_salt": (_MAPPED, "kv.cache_salt when supports_cache_salt, else refused"),
+        "routing.cache_namespace": (_MAPPED, "as routing.cache_salt; conflicting salts refused"),
         "routing.*": (_IGNORED, "worker ids, expected_output_tokens, priority_jump: the router's business"),
-        "extra_args.bypass_prefix_cache": (_REFUSED, "prefix-cache bypass not mapped yet"),
-        "extra_args.disable_prefix_cache": (_REFUSED, "prefix-cache bypass not mapped yet"),
-        "extra_args.nvext.cache_salt": (_REFUSED, "cache salt not mapped yet"),
+        "extra_args.bypass_prefix_cache": (
+            _MAPPED,
+            "kv.bypass_prefix_cache when supports_prefix_cache_bypass, else refused",
+        ),
+        "extra_args.disable_prefix_cache": (_MAPPED, "as extra_args.bypass_prefix_cache"),
+        "extra_args.nvext.cache_salt": (_MAPPED, "as routing.cache_salt (the frontend sends both)"),
         "extra_args.*": (_IGNORED, "frontend-level (messages, nvext response fields, ...)"),
         "prefill_result": (
             _MAPPED,
@@ -209,7 +239,8 @@ class GenerateCall:
 
     #: The upb request.
     request: generation_pb2.GenerateRequest
-    #: gRPC metadata, in order: ``traceparent``, ``tracestate``, then annotations.
+    #: gRPC metadata, in order: ``traceparent``, ``tracestate``, ``openengine-priority``,
+    #: ``openengine-target-dp-rank`` (each when present), then annotations.
     metadata: tuple[tuple[str, str], ...]
     #: Outputs asked for (``num_sequences``); chunk ``index`` ranges over ``0 … n − 1``.
     n: int
@@ -226,6 +257,8 @@ class GenerateCall:
     leg: Role = "aggregated"
     #: Cached prompt tokens reported by the prefill leg (decode legs only; None = not reported).
     prefill_cached_tokens: int | None = None
+    #: Prompt logprobs asked for: None = not asked, 0 = prompt token only, k = top-k alternatives.
+    prompt_logprobs: int | None = None
 
     @property
     def handoff(self) -> bool:
@@ -247,6 +280,7 @@ class GenerateCall:
             prompt_tokens=self.prompt_tokens,
             leg=self.leg,
             cached_tokens=self.prefill_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -359,7 +393,7 @@ def build_generate_request(
     routing = _section(request, "routing")
     extra_args = _section(request, "extra_args")
 
-    _refuse_unmapped(request, stop, sampling, output, routing, extra_args, caps)
+    _refuse_unmapped(request, stop, sampling, output, routing)
     leg = _leg(request, role)
 
     result = generation_pb2.GenerateRequest(request_id=request_id, model=model)
@@ -384,6 +418,11 @@ def build_generate_request(
         result.stopping, stop, sampling, caps, prompt_tokens, context_length, one_token_leg=leg == "prefill"
     )
     logprobs, top_n = _map_logprobs(result, output, caps)
+    prompt_logprobs = _map_prompt_logprobs(result, output, caps, leg)
+    _map_guided(result, sampling, caps)
+    _map_kv_options(result, routing, extra_args, caps)
+    _map_extra(result, request)
+    engine_metadata = _engine_metadata(routing, caps, leg)
     cached: int | None = None
     if leg == "prefill":
         max_tokens = _prefill_leg(result)
@@ -392,7 +431,7 @@ def build_generate_request(
 
     return GenerateCall(
         request=result,
-        metadata=_metadata(request, trace),
+        metadata=_metadata(request, trace, engine_metadata),
         n=n,
         logprobs=logprobs,
         top_n=top_n,
@@ -400,6 +439,7 @@ def build_generate_request(
         max_tokens=max_tokens,
         leg=leg,
         prefill_cached_tokens=cached,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -451,8 +491,6 @@ def _refuse_unmapped(
     sampling: Mapping[str, Any],
     output: Mapping[str, Any],
     routing: Mapping[str, Any],
-    extra_args: Mapping[str, Any],
-    caps: Capabilities,
 ) -> None:
     """Reject every field this mapping cannot honour yet, when it carries a non-default value."""
     for key, reason in _REFUSED_TOP_LEVEL:
@@ -461,8 +499,6 @@ def _refuse_unmapped(
     if _bool(request.get("require_reasoning"), "require_reasoning"):
         raise RequestRejected("require_reasoning", "forced reasoning is not supported")
 
-    if not _is_unset(sampling.get("guided_decoding")):
-        raise RequestRejected("sampling_options.guided_decoding", "guided decoding is not mapped yet")
     if _bool(sampling.get("use_beam_search"), "sampling_options.use_beam_search"):
         raise RequestRejected("sampling_options.use_beam_search", "beam search is not supported by OpenEngine v0.1.0")
     length_penalty = _float(sampling.get("length_penalty"), "sampling_options.length_penalty")
@@ -477,32 +513,234 @@ def _refuse_unmapped(
     if stop.get("max_thinking_tokens") is not None:
         raise RequestRejected("stop_conditions.max_thinking_tokens", "no reasoning-token budget in OpenEngine v0.1.0")
 
-    if output.get("prompt_logprobs") is not None:
-        raise RequestRejected("output_options.prompt_logprobs", "prompt logprobs are not mapped yet")
     if _bool(output.get("formatted_prompt"), "output_options.formatted_prompt"):
         raise RequestRejected("output_options.formatted_prompt", "returning the formatted prompt is not supported")
 
+    if not _is_unset(routing.get("lora_name")):
+        raise RequestRejected("routing.lora_name", "LoRA adapters are not mapped yet")
+
+
+# ----------------------------------------------------------------------------- capability-gated request features
+
+#: Dynamo's ``guided_decoding`` keys that name a guide → (``GuidedDecoding`` oneof member, advertised mode).
+_GUIDES: Final = (
+    ("json", "json_schema", GuidedDecodingMode.JSON_SCHEMA),
+    ("regex", "regex", GuidedDecodingMode.REGEX),
+    ("grammar", "ebnf_grammar", GuidedDecodingMode.EBNF_GRAMMAR),
+    ("structural_tag", "structural_tag", GuidedDecodingMode.STRUCTURAL_TAG),
+    ("choice", "choice", GuidedDecodingMode.CHOICE),
+)
+_MODE_NAMES: Final[dict[GuidedDecodingMode, str]] = {
+    GuidedDecodingMode.JSON_SCHEMA: "json_schema",
+    GuidedDecodingMode.REGEX: "regex",
+    GuidedDecodingMode.EBNF_GRAMMAR: "ebnf_grammar",
+    GuidedDecodingMode.STRUCTURAL_TAG: "structural_tag",
+    GuidedDecodingMode.CHOICE: "choice",
+    GuidedDecodingMode.JSON_OBJECT: "json_object",
+}
+#: The schema Dynamo's frontend sends for ``response_format: {"type": "json_object"}``.
+_ANY_OBJECT_SCHEMA: Final[Mapping[str, Any]] = MappingProxyType({"type": "object"})
+#: Bound on one guide's text (a schema, grammar, regex or all choices together).
+MAX_GUIDE_BYTES: Final = 1 << 20
+#: The annotation whose value (a JSON object) becomes ``GenerateRequest.extra``.
+EXTRA_ANNOTATION: Final = "openengine-extra"
+#: ``extra`` keys the sidecar owns (the disaggregation phase).
+_RESERVED_EXTRA: Final = frozenset({"request_type"})
+#: Bound on ``kv.cache_salt``.
+MAX_CACHE_SALT_BYTES: Final = 1024
+
+
+def _json_text(value: object, field: str) -> str:
+    if isinstance(value, str):
+        text = value
+    else:
+        try:
+            text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise RequestRejected(field, f"is not JSON: {exc}") from None
+    if not text:
+        raise RequestRejected(field, "must not be empty")
+    if len(text) > MAX_GUIDE_BYTES:
+        raise RequestRejected(field, f"longer than {MAX_GUIDE_BYTES} characters")
+    return text
+
+
+def _map_guided(target: generation_pb2.GenerateRequest, sampling: Mapping[str, Any], caps: Capabilities) -> None:
+    """``sampling_options.guided_decoding`` → ``GenerateRequest.guided`` (one guide, advertised mode only)."""
+    field = "sampling_options.guided_decoding"
+    guided = sampling.get("guided_decoding")
+    if _is_unset(guided):
+        return
+    if not isinstance(guided, Mapping):
+        raise RequestRejected(field, f"must be an object, got {type(guided).__name__}")
+    if not _is_empty(guided.get("backend")):
+        raise RequestRejected(f"{field}.backend", "per-request guided-decoding backends are not supported")
+    if not _is_empty(guided.get("whitespace_pattern")):
+        raise RequestRejected(f"{field}.whitespace_pattern", "a guided whitespace pattern cannot be represented")
+    # Empty members count as absent (as everywhere in this module: serde sends unset fields as null or empty).
+    present = [entry for entry in _GUIDES if not _is_empty(guided.get(entry[0]))]
+    if not present:
+        return
+    if len(present) > 1:
+        names = ", ".join(key for key, _, _ in present)
+        raise RequestRejected(field, f"at most one guide per request, got {names}")
+    key, member, mode = present[0]
+    value = guided[key]
+    support = caps.guided_decoding
+    if key == "json" and value == _ANY_OBJECT_SCHEMA and GuidedDecodingMode.JSON_OBJECT in support.modes:
+        # response_format json_object arrives as this schema; the engine's dedicated mode is the faithful one.
+        member, mode = "json_object", GuidedDecodingMode.JSON_OBJECT
+    if support.supported is not True:
+        raise RequestRejected(field, "the engine does not advertise guided decoding")
+    if mode not in support.modes:
+        offered = ", ".join(sorted(_MODE_NAMES[m] for m in support.modes if m in _MODE_NAMES)) or "none"
+        raise RequestRejected(f"{field}.{key}", f"the engine does not offer {_MODE_NAMES[mode]} (offers: {offered})")
+    guide = target.guided
+    if member == "json_object":
+        guide.json_object.SetInParent()
+    elif member == "choice":
+        choices = _list(value, f"{field}.choice")
+        if not choices:
+            raise RequestRejected(f"{field}.choice", "must list at least one choice")
+        total = 0
+        for i, choice in enumerate(choices):
+            if not isinstance(choice, str) or not choice:
+                raise RequestRejected(f"{field}.choice[{i}]", "must be a non-empty string")
+            total += len(choice)
+        if total > MAX_GUIDE_BYTES:
+            raise RequestRejected(f"{field}.choice", f"longer than {MAX_GUIDE_BYTES} characters together")
+        guide.choice.choices.extend(choices)
+    elif member in ("json_schema", "structural_tag"):
+        setattr(guide, member, _json_text(value, f"{field}.{key}"))
+    else:  # regex, ebnf_grammar: text only
+        if not isinstance(value, str):
+            raise RequestRejected(f"{field}.{key}", f"must be a string, got {type(value).__name__}")
+        setattr(guide, member, _json_text(value, f"{field}.{key}"))
+
+
+def _map_prompt_logprobs(
+    target: generation_pb2.GenerateRequest, output: Mapping[str, Any], caps: Capabilities, leg: Role
+) -> int | None:
+    field = "output_options.prompt_logprobs"
+    k = _int(output.get("prompt_logprobs"), field, 0, UINT32_MAX)
+    if k is None:
+        return None
+    if leg != "aggregated":
+        raise RequestRejected(field, f"prompt logprobs are not supported on a disaggregated ({leg}) request")
+    support = caps.prompt_logprobs
+    if support.supported is not True:
+        raise RequestRejected(field, "the engine does not advertise prompt logprob support")
+    if not support.top_n_allowed:
+        raise RequestRejected(field, "the engine does not offer top-N candidates for prompt logprobs")
+    top_n = max(1, k)  # as output logprobs: 0 travels as top_n = 1, the mapper drops the alternatives
+    if support.max_top_n is not None and top_n > support.max_top_n:
+        raise RequestRejected(field, f"the engine returns at most {support.max_top_n} alternatives, asked for {top_n}")
+    target.response.return_prompt_logprobs = True
+    target.response.prompt_candidates.top_n = top_n
+    return k
+
+
+def _cache_salt(routing: Mapping[str, Any], extra_args: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The one cache salt the request carries, with the field it came from; conflicting salts are refused."""
+    found: list[tuple[str, str]] = []
+    nvext = extra_args.get("nvext")
+    sources: list[tuple[str, object]] = [
+        ("routing.cache_salt", routing.get("cache_salt")),
+        ("routing.cache_namespace", routing.get("cache_namespace")),
+    ]
+    if isinstance(nvext, Mapping):
+        sources.append(("extra_args.nvext.cache_salt", nvext.get("cache_salt")))
+    for field, value in sources:
+        if value is None or value == "":
+            continue
+        if not isinstance(value, str):
+            raise RequestRejected(field, f"must be a string, got {type(value).__name__}")
+        if len(value) > MAX_CACHE_SALT_BYTES:
+            raise RequestRejected(field, f"longer than {MAX_CACHE_SALT_BYTES} characters")
+        found.append((field, value))
+    if not found:
+        return None
+    if len({value for _, value in found}) > 1:
+        raise RequestRejected(found[1][0], f"conflicts with {found[0][0]}")
+    return found[0]
+
+
+def _map_kv_options(
+    target: generation_pb2.GenerateRequest,
+    routing: Mapping[str, Any],
+    extra_args: Mapping[str, Any],
+    caps: Capabilities,
+) -> None:
+    salt = _cache_salt(routing, extra_args)
+    if salt is not None:
+        field, value = salt
+        if caps.supports_cache_salt is not True:
+            raise RequestRejected(field, "the engine does not advertise supports_cache_salt")
+        target.kv.cache_salt = value
+    for key in ("bypass_prefix_cache", "disable_prefix_cache"):
+        field = f"extra_args.{key}"
+        if _bool(extra_args.get(key), field):
+            if caps.supports_prefix_cache_bypass is not True:
+                raise RequestRejected(field, "the engine does not advertise supports_prefix_cache_bypass")
+            target.kv.bypass_prefix_cache = True
+
+
+def _engine_metadata(routing: Mapping[str, Any], caps: Capabilities, leg: Role) -> list[tuple[str, str]]:
+    """``openengine-priority`` and ``openengine-target-dp-rank``, each only when the engine can take it."""
+    metadata: list[tuple[str, str]] = []
     priority = _int(routing.get("priority"), "routing.priority", -(2**31), INT32_MAX)
     if priority:
-        raise RequestRejected("routing.priority", "request priority is not mapped yet")
-    for key in ("dp_rank", "prefill_dp_rank"):
-        rank = _int(routing.get(key), f"routing.{key}", 0, UINT32_MAX)
-        if rank is not None and not _only_rank(rank, caps):
-            raise RequestRejected(f"routing.{key}", "data-parallel rank targeting is not mapped yet")
-    for key, reason in (
-        ("lora_name", "LoRA adapters are not mapped yet"),
-        ("cache_salt", "cache salt is not mapped yet"),
-        ("cache_namespace", "cache salt is not mapped yet"),
-    ):
-        if not _is_unset(routing.get(key)):
-            raise RequestRejected(f"routing.{key}", reason)
+        if caps.supports_priority is not True:
+            raise RequestRejected("routing.priority", "the engine does not advertise supports_priority")
+        metadata.append(("openengine-priority", str(priority)))
+    ranks = {key: _int(routing.get(key), f"routing.{key}", 0, UINT32_MAX) for key in ("dp_rank", "prefill_dp_rank")}
+    if leg == "decode":
+        # The prefill leg's kv.session names the rank that holds the KV cache: it decides, not a header.
+        return metadata
+    # prefill_dp_rank outside a prefill leg is the router's note about another worker's rank: not ours to target.
+    key = "prefill_dp_rank" if leg == "prefill" and ranks["prefill_dp_rank"] is not None else "dp_rank"
+    rank = ranks[key]
+    if rank is None or _only_rank(rank, caps):
+        return metadata
+    size = caps.data_parallel_size
+    if caps.dp_rank_targeting is not True or not size:
+        raise RequestRejected(f"routing.{key}", "the engine does not advertise data-parallel rank targeting")
+    start = caps.data_parallel_start_rank or 0
+    if not start <= rank < start + size:
+        raise RequestRejected(f"routing.{key}", f"rank {rank} is outside the engine's ranks [{start}, {start + size})")
+    metadata.append(("openengine-target-dp-rank", str(rank)))
+    return metadata
 
-    for key in ("bypass_prefix_cache", "disable_prefix_cache"):
-        if extra_args.get(key) not in (None, False):
-            raise RequestRejected(f"extra_args.{key}", "prefix-cache bypass is not mapped yet")
-    nvext = extra_args.get("nvext")
-    if isinstance(nvext, Mapping) and not _is_unset(nvext.get("cache_salt")):
-        raise RequestRejected("extra_args.nvext.cache_salt", "cache salt is not mapped yet")
+
+def _map_extra(target: generation_pb2.GenerateRequest, request: Mapping[str, Any]) -> None:
+    """The ``openengine-extra:{...}`` annotation → ``GenerateRequest.extra`` (engine-specific, non-portable)."""
+    found: str | None = None
+    for annotation in _list(request.get("annotations"), "annotations"):
+        if not isinstance(annotation, str):
+            continue  # _metadata names the culprit
+        key, sep, value = annotation.partition(":")
+        if sep and key.strip().lower() == EXTRA_ANNOTATION:
+            if found is not None:
+                raise RequestRejected("annotations", f"{EXTRA_ANNOTATION} given more than once")
+            found = value.strip()
+    if found is None:
+        return
+    field = f"annotations[{EXTRA_ANNOTATION}]"
+    if len(found) > MAX_METADATA_BYTES:
+        raise RequestRejected(field, f"longer than {MAX_METADATA_BYTES} characters")
+    try:
+        knobs = json.loads(found)
+    except ValueError as exc:
+        raise RequestRejected(field, f"must be a JSON object: {exc}") from None
+    if not isinstance(knobs, dict):
+        raise RequestRejected(field, f"must be a JSON object, got {type(knobs).__name__}")
+    reserved = sorted(_RESERVED_EXTRA.intersection(knobs))
+    if reserved:
+        raise RequestRejected(f"{field}.{reserved[0]}", "is set by the sidecar (the disaggregation phase)")
+    try:
+        target.extra.CopyFrom(json_to_pb_struct(knobs))
+    except StructValueError as exc:
+        raise RequestRejected(f"{field}.{exc.path}" if exc.path else field, exc.reason) from None
 
 
 def _only_rank(rank: int, caps: Capabilities) -> bool:
@@ -670,7 +908,9 @@ def _map_logprobs(
     return logprobs, top_n
 
 
-def _metadata(request: Mapping[str, Any], trace: Mapping[str, str] | None) -> tuple[tuple[str, str], ...]:
+def _metadata(
+    request: Mapping[str, Any], trace: Mapping[str, str] | None, engine: Sequence[tuple[str, str]] = ()
+) -> tuple[tuple[str, str], ...]:
     metadata: list[tuple[str, str]] = []
     if trace:
         for key in ("traceparent", "tracestate"):
@@ -678,6 +918,7 @@ def _metadata(request: Mapping[str, Any], trace: Mapping[str, str] | None) -> tu
             # A malformed trace header is dropped, not fatal: tracing must never fail a request.
             if isinstance(value, str) and value and _header_value_ok(value):
                 metadata.append((key, value))
+    metadata.extend(engine)
     size = 0
     annotations = request.get("annotations")
     for i, annotation in enumerate(_list(annotations, "annotations")):

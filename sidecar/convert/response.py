@@ -26,6 +26,9 @@ Decisions:
   own clamp for −inf): Dynamo needs a finite number, and a decode leg legitimately replays its first
   token without one.
 * With ``logprobs=0`` each token's ``top_logprobs`` is empty: the frontend adds the selected token.
+* Prompt logprobs (when asked): the one ``prompt`` event (no usage on it) becomes ``engine_data.prompt_logprobs`` of
+  the final chunk, in vLLM's shape (per prompt position ``{token_id: {logprob, rank, decoded_token}}``, None where the
+  engine gives no logprob); an unasked or second ``prompt`` event is ``UNEXPECTED_EVENT``.
 * Usage is required on the final terminal (``MISSING_USAGE`` otherwise; TensorRT-LLM always sends
   it). Zero counts from the engine are replaced by what the mapper saw (prompt length, tokens
   streamed); ``total_tokens`` is recomputed; cached/reasoning tokens are clamped to their totals.
@@ -75,6 +78,10 @@ _FINISH_REASONS: Final[dict[int, str]] = {
 }
 
 
+def _finite(logprob: float) -> float:
+    return logprob if LOGPROB_FLOOR < logprob < _INF else LOGPROB_FLOOR
+
+
 class ResponseMapper:
     """Maps one request's ``GenerateResponse`` batches to chunk dicts, enforcing the stream contract."""
 
@@ -89,6 +96,8 @@ class ResponseMapper:
         "_logprobs",
         "_n",
         "_open",
+        "_prompt_logprobs",
+        "_prompt_positions",
         "_prompt_tokens",
         "_request_id",
     )
@@ -102,11 +111,13 @@ class ResponseMapper:
         prompt_tokens: int,
         leg: str = "aggregated",
         cached_tokens: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
         """``n`` outputs were asked for; ``logprobs`` as requested (None = not asked).
 
         ``leg`` is ``aggregated``, ``prefill`` or ``decode``; ``cached_tokens`` (decode legs) replaces the engine's
-        cached prompt tokens in the final usage.
+        cached prompt tokens in the final usage. ``prompt_logprobs`` as requested (None = not asked): the one
+        ``prompt`` event then becomes the final chunk's ``engine_data.prompt_logprobs``.
         """
         if n < 1:
             raise ValueError(f"n must be ≥ 1, got {n}")
@@ -122,6 +133,8 @@ class ResponseMapper:
         self._n = n
         self._logprobs = logprobs
         self._prompt_tokens = prompt_tokens
+        self._prompt_logprobs = prompt_logprobs
+        self._prompt_positions: list[dict[str, Any] | None] | None = None  # the mapped prompt event, once seen
         self._finished = [False] * n
         self._completion = [0] * n  # tokens returned per output
         self._open = n  # outputs without a terminal yet
@@ -202,7 +215,13 @@ class ResponseMapper:
             elif kind is None:
                 raise self._violation(Violation.EMPTY_EVENT, "response without an event")
             elif kind == "prompt":
-                raise self._violation(Violation.UNEXPECTED_EVENT, "prompt event, prompt logprobs were not requested")
+                if self._prompt_logprobs is None:
+                    raise self._violation(Violation.UNEXPECTED_EVENT, "prompt event, prompt logprobs not requested")
+                if self._prompt_positions is not None:
+                    raise self._violation(Violation.UNEXPECTED_EVENT, "a second prompt event")
+                if response.HasField("usage"):
+                    raise self._violation(Violation.USAGE_BEFORE_END, "usage on a prompt event")
+                self._prompt_positions = self._map_prompt(response.prompt.tokens)
             elif kind == "prefill_ready":
                 if self._leg != "prefill":
                     what = "a decode leg" if self._leg == "decode" else "an aggregated request"
@@ -269,7 +288,41 @@ class ResponseMapper:
         if not self._open:
             self._closed = True
             chunk["completion_usage"] = self._usage(response.usage)
+            if self._prompt_logprobs is not None:
+                chunk["engine_data"] = {"prompt_logprobs": self._prompt_positions or []}
         return chunk
+
+    def _map_prompt(self, infos: Sequence[generation_pb2.TokenInfo]) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs`` shape: per prompt position ``{token_id: {logprob, rank, decoded_token}}``.
+
+        The prompt token itself is always there; its top alternatives too unless ``prompt_logprobs=0``. A position
+        without a logprob (the first prompt token has none) is None. Keys are decimal strings (JSON objects).
+        """
+        alternatives = self._prompt_logprobs != 0
+        positions: list[dict[str, Any] | None] = []
+        for info in infos:
+            if not info.HasField("logprob"):
+                positions.append(None)
+                continue
+            entry: dict[str, Any] = {
+                str(info.token_id): {
+                    "logprob": _finite(info.logprob),
+                    "rank": info.rank if info.HasField("rank") else None,
+                    "decoded_token": info.token or None,
+                }
+            }
+            if alternatives:
+                for position, c in enumerate(info.candidates, 1):
+                    entry.setdefault(
+                        str(c.token_id),
+                        {
+                            "logprob": _finite(c.logprob),
+                            "rank": c.rank if c.HasField("rank") else position,
+                            "decoded_token": c.token or None,
+                        },
+                    )
+            positions.append(entry)
+        return positions
 
     def _no_handoff(self, finish_reason: str, message: str) -> HandoffMissing:
         self._closed = True

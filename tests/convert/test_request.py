@@ -414,7 +414,6 @@ REFUSED: list[tuple[str, dict[str, Any], str, Capabilities]] = [
     ("priority a string", {"routing": {"priority": "high"}}, "routing.priority", CAPS),
     ("dp_rank of another rank", {"routing": {"dp_rank": 1}}, "routing.dp_rank", CAPS),
     ("dp_rank on a multi-rank engine", {"routing": {"dp_rank": 0}}, "routing.dp_rank", TWO_DP_RANKS),
-    ("prefill_dp_rank", {"routing": {"prefill_dp_rank": 3}}, "routing.prefill_dp_rank", CAPS),
     ("negative dp_rank", {"routing": {"dp_rank": -1}}, "routing.dp_rank", CAPS),
     ("lora_name", {"routing": {"lora_name": "adapter"}}, "routing.lora_name", CAPS),
     ("cache_salt", {"routing": {"cache_salt": "tenant-a"}}, "routing.cache_salt", CAPS),
@@ -513,6 +512,7 @@ IGNORED: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     ("dp_rank naming the only rank", {"routing": {"dp_rank": 0}}),
+    ("prefill_dp_rank outside a prefill leg", {"routing": {"prefill_dp_rank": 3}}),
     ("dp_rank naming the only rank (start rank)", {"routing": {"dp_rank": 0, "prefill_dp_rank": 0}}),
     (
         "extra_args frontend data",

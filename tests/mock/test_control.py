@@ -361,3 +361,33 @@ def test_disaggregated_roles(start_mock: StartMock) -> None:
         generation_pb2.FINISH_REASON_STOP,
         generation_pb2.FINISH_REASON_LENGTH,
     )
+
+
+def test_mock_stats_count_request_features(start_mock: StartMock) -> None:
+    from sidecar.testing.mock.structs import struct_to_dict
+
+    mock = start_mock("--capability", "priority=true", "--capability", "guided=true", "--speedup", "0")
+    salted = make_request(max_tokens=2)
+    salted.kv.cache_salt = "tenant-a"
+    guided = make_request(max_tokens=8)
+    guided.guided.choice.choices.extend(["yes", "no"])
+    prompt_lp = make_request(max_tokens=2)
+    prompt_lp.response.return_prompt_logprobs = True
+    prompt_lp.response.prompt_candidates.top_n = 1
+
+    async def run(ch: Channel) -> list[Outcome]:
+        return [
+            await generate(ch, make_request(max_tokens=2), metadata=[("openengine-priority", "-3")]),
+            await generate(ch, salted),
+            await generate(ch, guided),
+            await generate(ch, prompt_lp),
+        ]
+
+    outcomes = call(mock.address, run)
+    assert [o.status for o in outcomes] == [Status.OK] * 4
+    assert outcomes[2].text() == "yes"
+    info = call(mock.address, lambda ch: control(ch).GetServerInfo(server_pb2.GetServerInfoRequest()))
+    stats = struct_to_dict(info.extra)["mock_stats"]
+    assert isinstance(stats, dict)
+    assert (stats["priority_requests"], stats["last_priority"]) == (1, -3)
+    assert (stats["cache_salt_requests"], stats["guided_requests"], stats["prompt_logprobs_requests"]) == (1, 1, 1)

@@ -395,6 +395,7 @@ class Engine:
         req = LiveRequest(plan)
         self._register(req)
         self.accepted += 1
+        self._count_features(plan)
         limit = self.config.fault_exit_after_requests
         if limit is not None and self.accepted >= limit:
             log.error("--fault-exit-after-requests %d reached: exiting hard", limit)
@@ -402,6 +403,21 @@ class Engine:
             sys.stderr.flush()
             os._exit(1)
         return req
+
+    def _count_features(self, plan: RequestPlan) -> None:
+        """Count the request features seen (``mock_stats``), so tests can tell a mapped field reached the engine."""
+        served = self.served
+        if plan.priority:
+            served["priority_requests"] += 1
+            served["last_priority"] = plan.priority
+        if plan.cache_salt is not None:
+            served["cache_salt_requests"] += 1
+        if plan.bypass_prefix_cache:
+            served["bypass_prefix_cache_requests"] += 1
+        if plan.prompt_logprobs:
+            served["prompt_logprobs_requests"] += 1
+        if plan.script is not None and plan.script_ends_with_eos:
+            served["guided_requests"] += 1
 
     async def generate(self, req: LiveRequest, send: Sender, drop: Callable[[], None]) -> None:
         """Serve an accepted request to its end; never raises for application failures (they become events)."""
