@@ -34,6 +34,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -137,9 +138,9 @@ QUICK: Final = Plan(
     requests_per_slot=2,
     warmup_requests=8,
     paced_ms=10.0,
-    paced_requests=4,
+    paced_requests=2,
     paced_max_tokens=20,
-    memory_requests=100,
+    memory_requests=50,
     memory_max_tokens=2000,
     memory_decode_ms=100.0,
     hold_s=1.0,
@@ -190,8 +191,15 @@ class Stack:
         return pids
 
 
+_STARTED: Final = time.monotonic()
+
+
 def log(*parts: object) -> None:
-    print(*parts, flush=True)
+    """Progress on stdout, stamped with the seconds since the start."""
+    if parts:
+        print(f"[{time.monotonic() - _STARTED:5.0f}s]", *parts, flush=True)
+    else:
+        print(flush=True)
 
 
 # ------------------------------------------------------------------------------------------------ processes
@@ -368,16 +376,25 @@ async def warm_up(stack: Stack, plan: Plan, table: Path, models: tuple[str, ...]
 
 
 async def hold_many(
-    stack: Stack, plan: Plan, table: Path, model: str, sampler: Sampler, annotations: list[str]
+    stack: Stack,
+    plan: Plan,
+    table: Path,
+    model: str,
+    sampler: Sampler,
+    annotations: list[str],
+    max_tokens: int,
+    *,
+    warm: bool,
 ) -> tuple[int, int, dict[str, Any]]:
-    """RSS (from ``sampler``) after a warm-up, and while ``memory_requests`` requests are in flight at once."""
-    warm = load_config(stack.frontend.url, model, plan, table, 16, 32)
-    warm.update({"max_tokens": plan.memory_max_tokens, "hold_s": 1.0, "annotations": annotations})
-    await run_child("bench._e2e_load", warm, stack.work, 120)
-    await trio.sleep(1.0)
+    """RSS (from ``sampler``) after a warm-up (``warm``), and while ``memory_requests`` requests are in flight."""
+    if warm:
+        config = load_config(stack.frontend.url, model, plan, table, plan.warmup_requests, plan.warmup_requests)
+        config.update({"max_tokens": max_tokens, "hold_s": 0.5, "annotations": annotations})
+        await run_child("bench._e2e_load", config, stack.work, 120)
+        await trio.sleep(1.0)
     idle_warm = process_rss_bytes(sampler.pid)
     config = load_config(stack.frontend.url, model, plan, table, plan.memory_requests, plan.memory_requests)
-    config.update({"max_tokens": plan.memory_max_tokens, "hold_s": plan.hold_s, "timeout_s": 180.0,
+    config.update({"max_tokens": max_tokens, "hold_s": plan.hold_s, "timeout_s": 180.0,
                    "deadline_s": 180.0, "annotations": annotations})  # fmt: skip
     result = await run_child("bench._e2e_load", config, stack.work, 240)
     held_from, held_to = result.get("all_arrived"), result.get("released")
@@ -394,13 +411,19 @@ async def memory_test(stack: Stack, plan: Plan, table: Path) -> dict[str, Any]:
     pid = stack.sidecar.pid
     await trio.sleep(1.0)
     idle_fresh = process_rss_bytes(pid)
-    idle_warm, in_flight, result = await hold_many(stack, plan, table, MODEL_B, stack.sampler, [])
-    await trio.sleep(2.0)
+    idle_warm, in_flight, result = await hold_many(
+        stack, plan, table, MODEL_B, stack.sampler, [], plan.memory_max_tokens, warm=True
+    )
+    await trio.sleep(1.0)
     after = process_rss_bytes(pid)
     async with trio.open_nursery() as nursery:
         sampler_a = Sampler(stack.worker_a.pid)
         nursery.start_soon(sampler_a.run)
-        idle_a, in_flight_a, result_a = await hold_many(stack, plan, table, MODEL_A, sampler_a, ["pace_ms:1000"])
+        # The baseline serves the table's streams only (max_tokens of the main runs), one token a second; it has
+        # served every earlier run, so it is warm.
+        idle_a, in_flight_a, result_a = await hold_many(
+            stack, plan, table, MODEL_A, sampler_a, ["pace_ms:1000"], plan.max_tokens, warm=False
+        )
         sampler_a.scope.cancel()
     out = {
         "requests": plan.memory_requests,
@@ -548,8 +571,9 @@ async def _guarded_block(
             finally:
                 _drop_block(stack)
     except Exception as exc:
-        log(f"  FAILED: {type(exc).__name__}: {exc}")
-        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        detail = "".join(traceback.format_exception(exc)[-3:]).strip()
+        log(f"  FAILED: {detail}")
+        return {"error": detail[-2000:]}
 
 
 _COUNTS: Final = ("requests", "completed", "failed", "lost", "tokens")

@@ -25,7 +25,7 @@ import trio
 
 from openengine_bp.openengine.v1 import HealthState
 from sidecar.convert.enums import bp_enum
-from sidecar.dynamo import DynamoSettings, open_dynamo
+from sidecar.dynamo import ControlPlaneError, ControlPlaneUnreachable, DynamoSettings, open_dynamo
 from sidecar.edge import open_edge
 from sidecar.engine import EngineClientConfig, SchemaIncompatible, open_engine_client, parse_endpoint
 from sidecar.errors import EngineGone, EngineRpcError, GrpcCode, WorkerDraining
@@ -118,6 +118,8 @@ class Worker:
                 await top.start(serve_live_state, self.lifecycle, self.config.ops_host, self.config.ops_port)
             try:
                 status = await self._run()
+            except* ControlPlaneError as group:
+                status = self._control_plane_failed(group)
             finally:
                 top.cancel_scope.cancel(reason="worker finished")
         return status
@@ -179,6 +181,15 @@ class Worker:
         """The model card: ``registration_for``, in KV-routing mode when the routing plan says events flow."""
         registration = registration_for(discovery, self.config)
         return self._routing.registration(registration) if self._routing is not None else registration
+
+    def _control_plane_failed(self, group: BaseExceptionGroup[ControlPlaneError]) -> int:
+        """etcd/NATS unreachable at start-up, or the runtime lost its lease while serving: one line, exit 1."""
+        error: BaseException = group
+        while isinstance(error, BaseExceptionGroup):
+            error = error.exceptions[0]
+        self.lifecycle.fire("fail", reason=str(error))
+        log.error("%s%s", "refusing to start: " if isinstance(error, ControlPlaneUnreachable) else "", error)
+        return 1
 
     def _serving(self, client: EngineClient, discovery: Discovery) -> ServingContext:
         return ServingContext(

@@ -15,6 +15,7 @@ Dynamo settings used (the same variables Dynamo's own workers and frontend read)
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shutil
@@ -136,6 +137,7 @@ class Cluster:
     stack: AsyncExitStack
     sidecar_args: tuple[str, ...] = ()
     engine_args: tuple[str, ...] = ()
+    frontend_args: tuple[str, ...] = ()
     migration_limit: int = 3
     etcd: Process | None = None
     nats: Process | None = None
@@ -287,6 +289,7 @@ class Cluster:
             "nats",
             "--migration-limit",
             str(self.migration_limit),
+            *self.frontend_args,
         ]
         url = f"http://{host.address}:{port}"
 
@@ -434,6 +437,7 @@ async def open_cluster(
     workers: Sequence[str] = WORKERS,
     sidecar_args: Sequence[str] = (),
     engine_args: Sequence[str] = (),
+    frontend_args: Sequence[str] = (),
     migration_limit: int = 3,
 ) -> AsyncIterator[Cluster]:
     """etcd + NATS, then the frontends and the workers (in parallel); everything stopped on exit, workers first."""
@@ -452,6 +456,7 @@ async def open_cluster(
             stack=stack,
             sidecar_args=tuple(sidecar_args),
             engine_args=tuple(engine_args),
+            frontend_args=tuple(frontend_args),
             migration_limit=migration_limit,
         )
 
@@ -530,8 +535,10 @@ async def routed_to(frontend: ClusterFrontend, worker: ClusterWorker, timeout: f
     start = time.monotonic()
     before = worker.received()
     with trio.fail_after(timeout):
-        while True:
-            await status_of(frontend.url, prompt=f"to {worker.name}")
+        for attempt in itertools.count():
+            # Short, distinct prompts: no cached prefix pulls them to one worker when the model is KV-routed.
+            await status_of(frontend.url, prompt=f"to {worker.name} {attempt}")
             if worker.received() > before:
                 return time.monotonic() - start
             await trio.sleep(0.02)
+    raise AssertionError("unreachable")

@@ -1,0 +1,77 @@
+"""KV-aware routing across frontends: the workers' KV events travel over the NATS event plane to *every* frontend, so
+a prefix cached on one worker pulls the repeats of a long prompt to that worker, whichever frontend they enter by.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import trio
+
+from tests.helpers.stack import MODEL
+
+from .report import record
+from .topology import Cluster, ClusterFrontend, ClusterWorker, wait_instances
+
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+
+REPEATS = 10
+PROMPT = " ".join(f"Stanza {i}: the river bends past the mill, the bridge and the quiet town." for i in range(24))
+
+
+def _stored_events(metrics: str) -> float:
+    total = 0.0
+    for line in metrics.splitlines():
+        applied = line.startswith("dynamo_component_kv_cache_events_applied{")
+        if applied and 'event_type="stored"' in line and 'status="ok"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def _send(http: httpx.AsyncClient, frontend: ClusterFrontend) -> int:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    response = await http.post(f"{frontend.url}/v1/completions", json=body)
+    response.raise_for_status()
+    details = response.json()["usage"].get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+async def _served(
+    http: httpx.AsyncClient, frontend: ClusterFrontend, workers: list[ClusterWorker], count: int
+) -> tuple[dict[str, int], int]:
+    before = {w.name: w.received() for w in workers}
+    cached = 0
+    for _ in range(count):
+        cached += (await _send(http, frontend)) > 0
+    return {w.name: w.received() - before[w.name] for w in workers}, cached
+
+
+@pytest.mark.parametrize(
+    "cluster", [{"engine_args": ("--speedup", "0"), "frontend_args": ("--router-mode", "kv")}], indirect=True
+)
+async def test_both_frontends_route_a_repeated_prefix_to_the_worker_holding_it(cluster: Cluster) -> None:
+    with trio.fail_after(180):
+        frontends = list(cluster.frontends.values())
+        workers = list(cluster.workers.values())
+        for worker in workers:
+            await worker.sidecar.wait_for_log(r"KV events on \(block size \d+\)", timeout=10)
+        await wait_instances(frontends, {w.instance_id() or 0 for w in workers}, timeout=30)
+        async with httpx.AsyncClient(timeout=30) as http:
+            first, _ = await _served(http, frontends[0], workers, 1)
+            warm = next(name for name, n in first.items() if n == 1)
+            stored = time.monotonic()
+            # The stored event reaches both frontends' routers over the event plane.
+            with trio.fail_after(20):
+                for frontend in frontends:
+                    while _stored_events((await http.get(f"{frontend.url}/metrics")).text) < 1:
+                        await trio.sleep(0.05)
+            propagated = time.monotonic() - stored
+            results = {f.name: await _served(http, f, workers, REPEATS) for f in frontends}
+    for name, (counts, cached) in results.items():
+        assert sum(counts.values()) == REPEATS, counts
+        assert counts[warm] >= 0.9 * REPEATS, f"{name} sent {counts} (warm worker {warm})"
+        assert cached >= 0.9 * REPEATS, f"{name}: only {cached} answers reported cached tokens"
+    shares = ", ".join(f"{name} {counts[warm]}/{REPEATS}" for name, (counts, _) in results.items())
+    record("KV routing across frontends: stored event seen by both frontends", propagated, f"warm worker: {shares}")
