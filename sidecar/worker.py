@@ -187,7 +187,8 @@ class Worker:
         error: BaseException = group
         while isinstance(error, BaseExceptionGroup):
             error = error.exceptions[0]
-        self.lifecycle.fire("fail", reason=str(error))
+        if not self.lifecycle.is_terminal:
+            self.lifecycle.fire("fail", reason=str(error))
         log.error("%s%s", "refusing to start: " if isinstance(error, ControlPlaneUnreachable) else "", error)
         return 1
 
