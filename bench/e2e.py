@@ -1,6 +1,6 @@
 """End-to-end benchmark: the sidecar against an in-process Dynamo worker and against the engine ceiling, one run.
 
-    python -m bench.e2e            # full run (~10 min on 2 cores): writes docs/performance/ and docs/performance.md
+    python -m bench.e2e            # full run (~5 min on 2 cores): writes docs/performance/ and docs/performance.md
     python -m bench.e2e --quick    # smoke run (< 1 min): same paths and checks, small loads, results in a temp dir
 
 Everything runs on loopback from this one command, with one real Dynamo frontend (``python -m dynamo.frontend``):
@@ -11,8 +11,9 @@ Everything runs on loopback from this one command, with one real Dynamo frontend
 * **C — engine ceiling**: ``bench._e2e_ceiling``, our OpenEngine client reading the same mock directly.
 
 Per engine message size (``--stream-interval`` 1 and 5 tokens) a fresh mock and sidecar are started, and for each
-concurrency the paths run in the order A, B, C, each from a fresh client process (``bench._e2e_load`` for A and B:
-the OpenAI client, streaming chat completions with ``ignore_eos`` and a fixed ``max_tokens``). Every request uses one
+concurrency the paths run A, B, C, A, B, C (rounds, interleaved; the medians are reported), each from a fresh client
+process (``bench._e2e_load`` for A and B: the OpenAI client, streaming chat completions with ``ignore_eos`` and a
+fixed ``max_tokens``). Every request uses one
 of a few seeds, so every path carries the same token streams; the expected streams come from the mock itself (path
 C, one request per seed) and every response of every path is checked against them — count, text, finish reason,
 usage. A run with a lost, failed or mis-ordered request says so and exits 1.
@@ -20,8 +21,10 @@ usage. A run with a lost, failed or mis-ordered request says so and exits 1.
 Figures: steady-state output tokens/s (tokens delivered between the first request's end and the last request's
 start), TTFT and ITL p50/p99 (ITL per request = (last token − first token) / (tokens − 1), as aiperf), tokens per
 chunk as the client saw them, CPU seconds per 1,000 output tokens of the sidecar (``/proc/<pid>/stat``, all threads)
-and of the other processes, sidecar RSS idle, peak under load, and at ``--memory-requests`` requests in flight (a
-slow mock, every request holding its stream) for the per-request figure.
+and of the other processes, sidecar RSS idle and peak under load. Then two runs on a paced mock (``--speedup 1``):
+concurrency 1 at 10 ms per token against the baseline sleeping as long (the latency the sidecar adds per token), and
+1,000 requests held in flight at once (100 ms per step) for the RSS per in-flight request — of the sidecar and of the
+baseline worker, whose growth is what Dynamo's binding itself costs. Every request and every run is bounded.
 """
 
 from __future__ import annotations
@@ -801,7 +804,7 @@ def plots(plan: Plan, data: dict[str, Any], out: Path) -> list[Path]:
         "cpu": [
             Panel("CPU seconds per 1,000 output tokens", "CPU-s / 1k tokens", "concurrency", x,
                   {**{f"B sidecar, {i} tok/msg": cpu("B", i, "sidecar") for i in plan.intervals},
-                   **{f"A worker, run {n + 1}": cpu("A", i, "worker_a") for n, i in enumerate(plan.intervals)}},
+                   **{f"A worker ({i} tok/msg block)": cpu("A", i, "worker_a") for i in plan.intervals}},
                   marks={"goal 0.1": GOAL_CPU_PER_1K}),
             Panel("Tokens per chunk (SSE event) seen by the client", "tokens", "concurrency", x,
                   {**{f"B sidecar, {i} tok/msg": series("B", i, "tokens_per_chunk") for i in plan.intervals},
@@ -882,6 +885,7 @@ def main(argv: list[str] | None = None) -> int:
     data["summary"] = summary
     print_report(plan, data, summary)
     (out / "e2e.json").write_text(json.dumps(jsonable(data), indent=1))
+    (out / "e2e.partial.json").unlink(missing_ok=True)
     images = [] if args.no_plots else plots(plan, data, out)
     log(f"results: {out / 'e2e.json'}" + "".join(f", {p}" for p in images))
     if not args.quick and not args.no_docs:

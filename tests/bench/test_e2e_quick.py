@@ -24,7 +24,7 @@ def test_quick_run_measures_every_path_and_checks_every_response(tmp_path: Path)
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=150,
+        timeout=120,
         check=False,
     )
     assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
