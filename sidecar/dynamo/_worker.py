@@ -9,7 +9,7 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
 import trio
 
@@ -52,9 +52,15 @@ def file_discovery_keys(settings: DynamoSettings, instance_id: int, root: Path |
     the mdc file holds the model card. Each is refreshed (mtime) every 3.3 s, expires after 10 s, and is removed on
     a clean shutdown, on ``unregister_endpoint_instance`` / ``unregister_model`` respectively.
     """
-    name = quote(f"{settings.namespace}/{settings.component}/{settings.endpoint}/{instance_id:x}", safe="")
+    name = _dynamo_key(f"{settings.namespace}/{settings.component}/{settings.endpoint}/{instance_id:x}")
     v1 = (root or file_discovery_root()) / "v1"
     return v1 / "instances" / name, v1 / "mdc" / name
+
+
+def _dynamo_key(text: str) -> str:
+    """Dynamo's file-store key encoding: every byte but ASCII letters and digits as ``%XX`` (``-`` is ``%2D``,
+    ``_`` is ``%5F``; ``urllib.parse.quote`` would leave those two alone and miss the file)."""
+    return "".join(chr(b) if chr(b).isascii() and chr(b).isalnum() else f"%{b:02X}" for b in text.encode())
 
 
 async def _poll_until(condition: Callable[[], Awaitable[bool]]) -> None:
