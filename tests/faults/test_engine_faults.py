@@ -21,6 +21,10 @@ FAST_WATCH = (
 )  # fmt: skip
 
 
+# Engines without KV events: their workers register for round-robin routing, which these tests rely on.
+ROUND_ROBIN = ("--speedup", "0", "--kv-events", "disabled")
+
+
 async def test_an_engine_killed_mid_stream_fails_the_request_and_the_worker_reconnects_to_its_restart(
     dynamo_env: DynamoEnv, frontend: Frontend
 ) -> None:
@@ -60,8 +64,13 @@ async def test_with_two_workers_a_killed_engines_requests_complete_on_the_other(
     """Migration: the request the dead engine was serving moves to the other worker; the client sees one answer."""
     with trio.fail_after(120):
         async with (
-            start_engine(dynamo_env, "--decode-ms-per-token", "20", name="engine-a") as engine_a,
-            start_engine(dynamo_env, "--decode-ms-per-token", "20", name="engine-b") as engine_b,
+            # Round-robin (no KV events) spreads the four requests over both workers, so A's die mid-stream.
+            start_engine(
+                dynamo_env, "--decode-ms-per-token", "20", "--kv-events", "disabled", name="engine-a"
+            ) as engine_a,
+            start_engine(
+                dynamo_env, "--decode-ms-per-token", "20", "--kv-events", "disabled", name="engine-b"
+            ) as engine_b,
             start_sidecar(dynamo_env, engine_a.address, *FAST_WATCH, name="sidecar-a"),
             start_sidecar(dynamo_env, engine_b.address, *FAST_WATCH, name="sidecar-b"),
         ):
@@ -121,13 +130,15 @@ async def test_a_retryable_engine_error_migrates_to_another_worker(
 ) -> None:
     """``EngineError.retryable`` is honoured (Dynamo's Rust sidecars ignore it): the frontend retries elsewhere.
 
-    Only engine A reads fault directives from the prompt, so the retry on B succeeds.
+    Only engine A reads fault directives from the prompt, so the retry on B succeeds. The engines publish no KV
+    events, so the workers register for round-robin routing and A is sure to get some of the requests (a KV router
+    would send the repeated prompt wherever it first landed).
     """
     prompt = f"river [mock-fault error_after_tokens=2 error_code={code} error_retryable=true]"
     with trio.fail_after(120):
         async with (
-            start_engine(dynamo_env, "--speedup", "0", "--faults-from-prompt", name="engine-a") as engine_a,
-            start_engine(dynamo_env, "--speedup", "0", name="engine-b") as engine_b,
+            start_engine(dynamo_env, *ROUND_ROBIN, "--faults-from-prompt", name="engine-a") as engine_a,
+            start_engine(dynamo_env, *ROUND_ROBIN, name="engine-b") as engine_b,
             start_sidecar(dynamo_env, engine_a.address, *FAST_WATCH, name="sidecar-a") as worker_a,
             start_sidecar(dynamo_env, engine_b.address, *FAST_WATCH, name="sidecar-b"),
         ):
