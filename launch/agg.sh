@@ -31,29 +31,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-work=$(mktemp -d -t openengine-agg.XXXXXX)
-pids=()
-stop_all() {
-  trap - EXIT INT TERM
-  # Sidecar first so it deregisters and drains, then the engine, then the frontend.
-  for pid in $(printf '%s\n' "${pids[@]}" | tac); do kill -TERM "$pid" 2>/dev/null || true; done
-  for _ in $(seq 1 100); do
-    alive=0; for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-    [ $alive = 0 ] && break; sleep 0.1
-  done
-  for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap stop_all EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-
-# Everything on loopback, discovery in files under our temporary directory, caches out of $HOME.
-export DYN_DISCOVERY_BACKEND=file DYN_FILE_KV="$work/discovery" DYN_REQUEST_PLANE=tcp DYN_EVENT_PLANE=zmq
-export DYN_TCP_RPC_HOST=127.0.0.1 DYN_TCP_RESPONSE_STREAM_HOST=127.0.0.1 DYN_EVENT_PLANE_HOST=127.0.0.1
-export DYN_HTTP_HOST=127.0.0.1 DYN_SYSTEM_HOST=127.0.0.1 HOME="$work/home" HF_HUB_OFFLINE=1
-mkdir -p "$DYN_FILE_KV" "$HOME"
+. "$root/launch/_local.sh" agg 100
 
 python -m dynamo.frontend --http-host 127.0.0.1 --http-port "$http_port" --migration-limit 3 \
   >"$work/frontend.log" 2>&1 &

@@ -41,29 +41,7 @@ if { [ -n "$prefill_engine" ] && [ -z "$decode_engine" ]; } || { [ -z "$prefill_
 fi
 prefill_system_port=${system_ports%,*} decode_system_port=${system_ports#*,}
 
-work=$(mktemp -d -t openengine-disagg.XXXXXX)
-pids=()
-stop_all() {
-  trap - EXIT INT TERM
-  # Reverse start order: prefill sidecar, decode sidecar (they deregister and drain), engines, frontend.
-  for pid in $(printf '%s\n' "${pids[@]}" | tac); do kill -TERM "$pid" 2>/dev/null || true; done
-  for _ in $(seq 1 150); do
-    alive=0; for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-    [ $alive = 0 ] && break; sleep 0.1
-  done
-  for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap stop_all EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-
-# Everything on loopback, discovery in files under our temporary directory, caches out of $HOME.
-export DYN_DISCOVERY_BACKEND=file DYN_FILE_KV="$work/discovery" DYN_REQUEST_PLANE=tcp DYN_EVENT_PLANE=zmq
-export DYN_TCP_RPC_HOST=127.0.0.1 DYN_TCP_RESPONSE_STREAM_HOST=127.0.0.1 DYN_EVENT_PLANE_HOST=127.0.0.1
-export DYN_HTTP_HOST=127.0.0.1 DYN_SYSTEM_HOST=127.0.0.1 HOME="$work/home" HF_HUB_OFFLINE=1
-mkdir -p "$DYN_FILE_KV" "$HOME"
+. "$root/launch/_local.sh" disagg 150
 
 python -m dynamo.frontend --http-host 127.0.0.1 --http-port "$http_port" --migration-limit 3 \
   >"$work/frontend.log" 2>&1 &
