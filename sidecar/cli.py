@@ -69,6 +69,9 @@ class SidecarConfig:
     load_poll_interval_s: float = 1.0
     load_max_age_s: float = 5.0
     control_plane_deadline_s: float = 60.0
+    lora_root: Path | None = None
+    lora_load_timeout_s: float = 120.0
+    lora_fetch_timeout_s: float = 600.0
 
 
 class ConfigError(ValueError):
@@ -385,6 +388,33 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive(float),
     )
 
+    lora = parser.add_argument_group(
+        "LoRA adapters (load_lora / unload_lora / list_loras, served when the engine advertises supports_lora)"
+    )
+    add(
+        lora,
+        "--lora-root",
+        "DYN_LORA_PATH",
+        "directory adapters may be loaded from (symlinks out of it are refused) and remote ones are fetched into; "
+        "unset: every load_lora is refused",
+    )
+    add(
+        lora,
+        "--lora-load-timeout-secs",
+        "DYN_SIDECAR_LORA_LOAD_TIMEOUT_SECS",
+        "bound on Control.LoadLora / UnloadLora",
+        default=120.0,
+        type=_positive(float),
+    )
+    add(
+        lora,
+        "--lora-fetch-timeout-secs",
+        "DYN_SIDECAR_LORA_FETCH_TIMEOUT_SECS",
+        "bound on fetching a remote adapter (s3://, hf://) into --lora-root",
+        default=600.0,
+        type=_positive(float),
+    )
+
     ops = parser.add_argument_group("operator surface (metrics are on Dynamo's system port, DYN_SYSTEM_PORT)")
     add(
         ops,
@@ -539,7 +569,21 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         load_poll_interval_s=_number(ns, "load_poll_interval_secs", "--load-poll-interval-secs", float),
         load_max_age_s=_number(ns, "load_max_age_secs", "--load-max-age-secs", float),
         control_plane_deadline_s=_number(ns, "control_plane_deadline_secs", "--control-plane-deadline-secs", float),
+        lora_root=_lora_root(ns.lora_root),
+        lora_load_timeout_s=_number(ns, "lora_load_timeout_secs", "--lora-load-timeout-secs", float),
+        lora_fetch_timeout_s=_number(ns, "lora_fetch_timeout_secs", "--lora-fetch-timeout-secs", float),
     )
+
+
+def _lora_root(raw: str | None) -> Path | None:
+    if raw is None:
+        return None
+    path = Path(raw)
+    if not path.is_absolute():
+        raise ConfigError(f"--lora-root: must be an absolute path, got {raw!r}")
+    if not path.is_dir():
+        raise ConfigError(f"--lora-root: not a directory: {raw}")
+    return path.resolve()
 
 
 def _check_control_plane_env(ns: argparse.Namespace) -> None:

@@ -256,3 +256,46 @@ class WorkerDraining(SidecarError):
     """
 
     kind = DynamoErrorKind.ENGINE_SHUTDOWN
+
+
+class LoraErrorCode(enum.StrEnum):
+    """The ``code`` of a failed ``load_lora`` / ``unload_lora`` answer (a control endpoint, not a request: no HTTP
+    status is involved, the operator reads ``{"status": "error", "code": …, "message": …}``)."""
+
+    INVALID_ARGUMENT = "invalid_argument"
+    NOT_FOUND = "not_found"
+    CONFLICT = "conflict"
+    UNSUPPORTED = "unsupported"
+    CAPACITY = "capacity"
+    UNAVAILABLE = "unavailable"
+    ENGINE_ERROR = "engine_error"
+    CONTROL_PLANE = "control_plane"
+
+
+# A LoRA lifecycle RPC's gRPC status -> the answer's code (wire §7.9: conflicts are ALREADY_EXISTS, unknown adapters
+# NOT_FOUND, a LoRA-disabled engine FAILED_PRECONDITION; TensorRT-LLM answers UNIMPLEMENTED to all of them).
+LORA_STATUS_CODE: Final[dict[GrpcCode, LoraErrorCode]] = {
+    GrpcCode.INVALID_ARGUMENT: LoraErrorCode.INVALID_ARGUMENT,
+    GrpcCode.NOT_FOUND: LoraErrorCode.NOT_FOUND,
+    GrpcCode.ALREADY_EXISTS: LoraErrorCode.CONFLICT,
+    GrpcCode.FAILED_PRECONDITION: LoraErrorCode.UNSUPPORTED,
+    GrpcCode.UNIMPLEMENTED: LoraErrorCode.UNSUPPORTED,
+    GrpcCode.RESOURCE_EXHAUSTED: LoraErrorCode.CAPACITY,
+    GrpcCode.UNAVAILABLE: LoraErrorCode.UNAVAILABLE,
+    GrpcCode.DEADLINE_EXCEEDED: LoraErrorCode.UNAVAILABLE,
+}
+
+
+class LoraRefused(SidecarError):
+    """A LoRA lifecycle call that did not happen (or was undone); ``code`` tells the operator what kind of problem."""
+
+    kind = DynamoErrorKind.INVALID_ARGUMENT
+
+    def __init__(self, code: LoraErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+    @classmethod
+    def from_rpc(cls, error: EngineRpcError, what: str) -> LoraRefused:
+        code = LORA_STATUS_CODE.get(error.code, LoraErrorCode.ENGINE_ERROR)
+        return cls(code, f"{what}: the engine answered {error.code.name}: {error.details or 'no details'}")

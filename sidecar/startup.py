@@ -245,6 +245,7 @@ def registration_for(discovery: Discovery, config: SidecarConfig) -> Registratio
         reasoning_parser=config.reasoning_parser or caps.reasoning_parser or None,
         tool_call_parser=config.tool_call_parser or caps.tool_call_parser or None,
         aliases=aliases,
+        max_loras=caps.max_loras if caps.supports_lora else None,
         runtime_data={
             "openengine_engine": caps.engine_name,
             "openengine_schema_release": discovery.server.schema_release or PINNED_SCHEMA_RELEASE,

@@ -30,11 +30,12 @@ from sidecar.edge import open_edge
 from sidecar.engine import EngineClientConfig, SchemaIncompatible, open_engine_client, parse_endpoint
 from sidecar.errors import EngineGone, EngineRpcError, GrpcCode, WorkerDraining
 from sidecar.kv import RoutingPlan, discover_routing, routing_config, run_routing_signals
+from sidecar.lora import LoraManager, LoraSettings, observe_lora
 from sidecar.ops import logs, metrics
 from sidecar.ops.server import serve_live_state
 from sidecar.requests import CANARY_PAYLOAD, RequestServer, ServingContext
 from sidecar.startup import Discovery, StartupRefused, check_unchanged, discover, registration_for, wait_ready
-from statemachines import WORKER, WorkerLifecycle
+from statemachines import LORA, WORKER, WorkerLifecycle
 
 if TYPE_CHECKING:
     from sidecar.cli import SidecarConfig
@@ -96,6 +97,7 @@ class Worker:
         self._fatal = trio.Event()
         self._discovery: Discovery | None = None
         self._routing: RoutingPlan | None = None
+        self._lora: LoraManager | None = None
 
     async def watch_signals(self) -> None:
         """First SIGTERM/SIGINT drains; a second one skips waiting for in-flight requests."""
@@ -159,6 +161,8 @@ class Worker:
                 self.requests.attach(self._serving(client, first))
                 await dynamo.register(registration)
                 await dynamo.serve(request_nursery, self.requests.handle, health_check_payload=CANARY_PAYLOAD)
+                if first.caps.supports_lora:
+                    await self._serve_loras(client, dynamo, request_nursery, registration)
                 life.fire("registered", reason=f"model {registration.served_model_name!r}")
                 async with trio.open_nursery() as watchers:
                     await watchers.start(run_routing_signals, client, dynamo, plan, routing_config(config))
@@ -181,6 +185,25 @@ class Worker:
         """The model card: ``registration_for``, in KV-routing mode when the routing plan says events flow."""
         registration = registration_for(discovery, self.config)
         return self._routing.registration(registration) if self._routing is not None else registration
+
+    async def _serve_loras(
+        self, client: EngineClient, dynamo: DynamoWorker, nursery: trio.Nursery, registration: Registration
+    ) -> None:
+        """The engine advertises LoRA: serve load_lora / unload_lora / list_loras and adopt what the engine holds."""
+        config = self.config
+        settings = LoraSettings(
+            root=config.lora_root,
+            load_timeout_s=config.lora_load_timeout_s,
+            fetch_timeout_s=config.lora_fetch_timeout_s,
+            reserved_names=frozenset({registration.served_model_name, *registration.aliases}),
+        )
+        manager = self._lora = LoraManager(client, dynamo, settings)
+        await dynamo.serve_controls(nursery, manager.routes())
+        await manager.sync(engine_restarted=False)
+        log.info(
+            "LoRA controls served (load_lora, unload_lora, list_loras; root %s)",
+            config.lora_root or "unset: loads refused",
+        )
 
     def _control_plane_failed(self, group: BaseExceptionGroup[ControlPlaneError]) -> int:
         """etcd/NATS unreachable at start-up, or the runtime lost its lease while serving: one line, exit 1."""
@@ -305,6 +328,9 @@ class Worker:
             life.fire("fail", reason=f"the restarted engine is not the one registered: {exc}")
             self._fatal.set()
             await trio.sleep_forever()
+        if self._lora is not None:
+            # Before routing resumes: a request for an adapter the restarted engine lacks would fail with NOT_FOUND.
+            await self._lora.sync(engine_restarted=True)
         self.requests.attach(self._serving(client, self._discovery))
         await dynamo.restore()
         await dynamo.register(self._registration(self._discovery))
@@ -326,6 +352,8 @@ class Worker:
         """--exit-on-engine-loss or a refused engine: leave discovery, fail what is in flight, exit 1."""
         self.requests.attach(None)
         self.requests.cancel_all(EngineGone("engine lost: retry on another worker"))
+        if self._lora is not None:
+            self._lora.detach_all("failed")
         await _best_effort("deregistration", dynamo.unregister(), self.config.grpc_rpc_timeout_s, shield=True)
         with trio.move_on_after(_STRAGGLER_GRACE_S):
             await self.requests.wait_idle()
@@ -339,6 +367,8 @@ class Worker:
         life.fire("drain", reason=f"{self.requests.in_flight} request(s) in flight")
         # Stop accepting first: a request that still arrives is sent elsewhere.
         self.requests.attach(None)
+        if self._lora is not None:
+            self._lora.detach_all("draining")
         await _best_effort("deregistration", dynamo.unregister(), config.grpc_rpc_timeout_s, shield=True)
         log.info("deregistered; waiting up to %gs for %d request(s)", config.drain_timeout_s, self.requests.in_flight)
         with trio.move_on_after(config.drain_timeout_s):
@@ -435,4 +465,6 @@ def run_worker(config: SidecarConfig) -> int:
     logging.getLogger("transitions").setLevel(logging.WARNING)
     if _observe_worker not in WORKER.observers:
         WORKER.observers.append(_observe_worker)
+    if observe_lora not in LORA.observers:
+        LORA.observers.append(observe_lora)
     return trio.run(worker.run)

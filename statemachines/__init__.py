@@ -1,6 +1,6 @@
 """Lifecycle state machines: the tables are the single source of truth.
 
-One module per machine (``worker``, ``request``, ``kv_subscription``), each a set of tables (``STATES``,
+One module per machine (``worker``, ``request``, ``kv_subscription``, ``lora``), each a set of tables (``STATES``,
 ``TRANSITIONS``, ``TERMINAL``, ``NO_OPS``, ``STATE_DOCS``) built into one shared ``transitions.Machine`` per kind (see
 ``_base`` for the theory of operation).  Sans-IO: imports only ``transitions`` and the standard library.
 
@@ -22,6 +22,11 @@ from .kv_subscription import KvSubscriptionEvent as KvSubscriptionEvent
 from .kv_subscription import KvSubscriptionLifecycle as KvSubscriptionLifecycle
 from .kv_subscription import KvSubscriptionObserver as KvSubscriptionObserver
 from .kv_subscription import KvSubscriptionState as KvSubscriptionState
+from .lora import LORA as LORA
+from .lora import LoraEvent as LoraEvent
+from .lora import LoraLifecycle as LoraLifecycle
+from .lora import LoraObserver as LoraObserver
+from .lora import LoraState as LoraState
 from .request import REQUEST as REQUEST
 from .request import RequestEvent as RequestEvent
 from .request import RequestLifecycle as RequestLifecycle
@@ -33,12 +38,13 @@ from .worker import WorkerLifecycle as WorkerLifecycle
 from .worker import WorkerObserver as WorkerObserver
 from .worker import WorkerState as WorkerState
 
-KINDS: tuple[MachineKind[Any, Any, Any], ...] = (WORKER, REQUEST, KV_SUBSCRIPTION)
+KINDS: tuple[MachineKind[Any, Any, Any], ...] = (WORKER, REQUEST, KV_SUBSCRIPTION, LORA)
 """Every machine kind, for the live state view and the docs generator."""
 
 __all__ = [
     "KINDS",
     "KV_SUBSCRIPTION",
+    "LORA",
     "REQUEST",
     "WORKER",
     "IllegalTransition",
@@ -47,6 +53,10 @@ __all__ = [
     "KvSubscriptionObserver",
     "KvSubscriptionState",
     "Lifecycle",
+    "LoraEvent",
+    "LoraLifecycle",
+    "LoraObserver",
+    "LoraState",
     "MachineKind",
     "RequestEvent",
     "RequestLifecycle",

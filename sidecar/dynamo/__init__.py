@@ -19,6 +19,8 @@ from ._types import RequestContext as RequestContext
 from ._types import RequestHandler as RequestHandler
 from ._worker import DynamoWorker as DynamoWorker
 from ._worker import file_discovery_keys as file_discovery_keys
+from ._worker import lora_card_key as lora_card_key
+from ._worker import lora_slug as lora_slug
 from ._worker import open_dynamo as open_dynamo
 
 __all__ = [
@@ -34,6 +36,8 @@ __all__ = [
     "RequestContext",
     "RequestHandler",
     "file_discovery_keys",
+    "lora_card_key",
+    "lora_slug",
     "open_dynamo",
     "open_kv_event_sink",
     "open_load_sink",

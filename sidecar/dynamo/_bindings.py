@@ -25,7 +25,7 @@ from dynamo.runtime import Context, DistributedRuntime, Endpoint
 from sidecar.errors import SidecarError
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Awaitable, Callable
 
     from ._types import DynamoSettings, Registration, WorkerRole
 
@@ -160,7 +160,65 @@ async def register(endpoint: Endpoint, reg: Registration) -> None:
         runtime_config=_runtime_config(reg),
         needs=needs,
         model_aliases=list(reg.aliases) or None,
+        max_gpu_lora_count=reg.max_loras,
     )
+
+
+async def register_lora(endpoint: Endpoint, reg: Registration, lora_name: str) -> None:
+    """A LoRA model card on our endpoint, next to the base card: the frontend lists ``lora_name`` in ``/v1/models`` and
+    routes ``model=lora_name`` here with ``routing.lora_name`` (``dynamo-runtime.md`` §7). Its key in discovery is the
+    base card's plus ``/<slug of lora_name>``."""
+    model_input = dynamo.llm.ModelInput.Tokens if reg.model_input == "tokens" else dynamo.llm.ModelInput.Text
+    needs = [[_WORKER_TYPES[role] for role in group] for group in reg.needs] or None
+    await dynamo.llm.register_model(
+        model_input,
+        _model_type(reg),
+        endpoint,
+        reg.model_path,
+        lora_name,
+        worker_type=_WORKER_TYPES[reg.worker_type],
+        kv_cache_block_size=reg.kv_block_size,
+        runtime_config=_runtime_config(reg),
+        needs=needs,
+        lora_name=lora_name,
+        base_model_path=reg.model_path,
+    )
+
+
+async def unregister_lora(endpoint: Endpoint, lora_name: str) -> None:
+    await dynamo.llm.unregister_model(endpoint, lora_name=lora_name)
+
+
+def lora_id(lora_name: str) -> int:
+    """Dynamo's deterministic adapter id for a name (blake3-derived): the same on every worker and every restart."""
+    return int(dynamo.llm.lora_name_to_id(lora_name))
+
+
+async def fetch_lora(uri: str, cache_dir: str) -> str:
+    """Download a LoRA adapter (``s3://``, ``hf://``, …) into ``cache_dir`` unless it is there already; its local path.
+
+    Dynamo's own downloader (the one its vLLM and SGLang workers use): retries, cache validation and credentials
+    (``AWS_*``, ``HF_TOKEN``) are its business.
+    """
+    return str(await dynamo.llm.LoRADownloader(cache_dir).download_if_needed(uri))
+
+
+async def add_engine_route(
+    runtime: DistributedRuntime, name: str, callback: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+) -> None:
+    """``/engine/<name>`` on the worker's system port (``DYN_SYSTEM_PORT``): the JSON body in, a JSON object out. The
+    callback runs on the edge loop (observed: the loop the runtime was created on)."""
+    runtime.register_engine_route(name, callback)
+
+
+async def serve_control_endpoint(
+    runtime: DistributedRuntime,
+    path: str,
+    handler: Callable[[dict[str, Any], Context], AsyncIterator[dict[str, Any]]],
+) -> None:
+    """Serve a control endpoint (``namespace.component.load_lora`` …) the way Dynamo's Python workers do, until the
+    runtime shuts down."""
+    await runtime.endpoint(path).serve_endpoint(handler, graceful_shutdown=True)
 
 
 async def unregister(endpoint: Endpoint) -> None:

@@ -75,6 +75,8 @@ class Registration:
     #: The worker publishes KV events (and keeps a worker-side index the router can recover from).
     kv_events: bool = False
     runtime_data: Mapping[str, Any] = field(default_factory=dict)
+    #: Adapters the engine can hold at once (``DeploymentCapacity.max_loras``), for the router's LoRA accounting.
+    max_loras: int | None = None
     needs: tuple[tuple[WorkerRole, ...], ...] = ()
 
     def __post_init__(self) -> None:

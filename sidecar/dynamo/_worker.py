@@ -17,13 +17,28 @@ from . import _bindings as b
 from ._handler import make_handler
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable
+    from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
     from sidecar.edge import Edge
 
+    _Control = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
     from ._types import DynamoSettings, Registration, RequestHandler
 
-__all__ = ["CLOSE_TIMEOUT", "SERVE_READY_TIMEOUT", "DynamoWorker", "file_discovery_keys", "open_dynamo"]
+__all__ = [
+    "CLOSE_TIMEOUT",
+    "SERVE_READY_TIMEOUT",
+    "DynamoWorker",
+    "file_discovery_keys",
+    "lora_card_key",
+    "lora_slug",
+    "open_dynamo",
+]
+
+
+def _name_of(fn: object) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
 
 logger: Final = logging.getLogger("sidecar.dynamo")
 
@@ -55,6 +70,17 @@ def file_discovery_keys(settings: DynamoSettings, instance_id: int, root: Path |
     name = _dynamo_key(f"{settings.namespace}/{settings.component}/{settings.endpoint}/{instance_id:x}")
     v1 = (root or file_discovery_root()) / "v1"
     return v1 / "instances" / name, v1 / "mdc" / name
+
+
+def lora_card_key(base_card: Path, lora_name: str) -> Path:
+    """A LoRA card's file next to the base card's: ``<base key>%2F<slug>``, the slug being Dynamo's (lower case,
+    every character but ASCII letters, digits, ``-`` and ``_`` as ``_``; observed with 1.6.1)."""
+    return base_card.with_name(base_card.name + _dynamo_key("/" + lora_slug(lora_name)))
+
+
+def lora_slug(lora_name: str) -> str:
+    """Dynamo's slug of a LoRA name (its card key): two names with one slug would overwrite each other's card."""
+    return "".join(c if (c.isascii() and c.isalnum()) or c in "-_" else "_" for c in lora_name.lower())
 
 
 def _dynamo_key(text: str) -> str:
@@ -121,6 +147,8 @@ class DynamoWorker:
         self._shutdown_sent = False
         self._lost = False
         self._clients: dict[str, Any] = {}
+        # LoRA cards published next to the base card (names), re-published and removed with it.
+        self._loras: set[str] = set()
 
     @property
     def settings(self) -> DynamoSettings:
@@ -141,8 +169,81 @@ class DynamoWorker:
         await self._edge.run(b.register, self._endpoint, reg)
         self._registration = reg
 
+    async def register_lora(self, lora_name: str) -> None:
+        """Publish a LoRA model card for ``lora_name`` on top of the base card (which must be registered)."""
+        if self._registration is None:
+            raise RuntimeError("the base model is not registered (draining or withdrawn)")
+        await self._edge.run(b.register_lora, self._endpoint, self._registration, lora_name)
+        self._loras.add(lora_name)
+
+    async def unregister_lora(self, lora_name: str) -> None:
+        """Remove ``lora_name``'s card: the frontend answers 404 for it within ~0.1 s."""
+        await self._edge.run(b.unregister_lora, self._endpoint, lora_name)
+        self._loras.discard(lora_name)
+
+    @property
+    def lora_cards(self) -> frozenset[str]:
+        """The LoRA cards currently published."""
+        return frozenset(self._loras)
+
+    @staticmethod
+    def lora_id(lora_name: str) -> int:
+        """Dynamo's deterministic adapter id for ``lora_name`` (``lora_name_to_id``)."""
+        return b.lora_id(lora_name)
+
+    async def fetch_lora(self, uri: str, cache_dir: Path) -> Path:
+        """Download an adapter from a remote URI into ``cache_dir`` with Dynamo's downloader; its local directory."""
+        return Path(await self._edge.run(b.fetch_lora, uri, str(cache_dir)))
+
+    async def serve_controls(
+        self, nursery: trio.Nursery, routes: Mapping[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]]
+    ) -> None:
+        """Serve each ``route(body) -> answer`` (a trio coroutine function) both ways Dynamo workers expose controls:
+        as the endpoint ``<namespace>.<component>.<name>`` (what Dynamo's Python backends serve ``load_lora`` on) and
+        as ``POST /engine/<name>`` on the system port (``DYN_SYSTEM_PORT``) for operators with curl.
+
+        Each call runs as a trio task in ``nursery``; an exception escaping ``route`` is answered as
+        ``{"status": "error", "message": …}`` rather than dropped, so a caller always gets an answer.
+        """
+        edge = self._edge
+
+        def bridged(route: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> _Control:
+            async def call(body: dict[str, Any]) -> dict[str, Any]:
+                try:
+                    return await edge.trio_call(nursery, route, dict(body or {}))
+                except Exception as exc:
+                    logger.exception("control %s failed", _name_of(route))
+                    return {"status": "error", "code": "internal", "message": f"{type(exc).__name__}: {exc}"}
+
+            return call
+
+        for name, route in routes.items():
+            call = bridged(route)
+            await edge.run(b.add_engine_route, self._runtime, name, call)
+            path = f"{self._settings.namespace}.{self._settings.component}.{name}"
+            nursery.start_soon(self._serve_control, path, call)
+
+    async def _serve_control(self, path: str, call: _Control) -> None:
+        # Dynamo passes the request context only to a parameter *named* ``context``; any other name gets a TypeError.
+        async def handler(request: dict[str, Any], context: b.Context) -> AsyncIterator[dict[str, Any]]:
+            del context
+            yield await call(request if isinstance(request, dict) else {})
+
+        try:
+            await self._edge.run(b.serve_control_endpoint, self._runtime, path, handler)
+        except Exception as exc:
+            # A control endpoint is a convenience next to the system port's route: its loss must not end the worker.
+            logger.warning("dynamo: control endpoint %s stopped: %s", path, exc)
+
     async def unregister(self) -> None:
-        """Remove the model card and withdraw the instance: the model leaves the frontend (404) in ~0.1 s."""
+        """Remove the model cards (LoRA cards first) and withdraw the instance: the models leave the frontend (404)
+        in ~0.1 s."""
+        for lora_name in sorted(self._loras):
+            try:
+                await self.unregister_lora(lora_name)
+            except Exception as exc:
+                # The runtime's own teardown removes the card later; the base card must go now regardless.
+                logger.warning("dynamo: removing the LoRA card %r failed: %s", lora_name, exc)
         await self._edge.run(b.unregister, self._endpoint)
         self._registration = None
         await self.withdraw()
@@ -171,6 +272,8 @@ class DynamoWorker:
                 await self._edge.run(b.restore, self._endpoint)
             if self._registration is not None:
                 await self._edge.run(b.register, self._endpoint, self._registration)
+                for lora_name in sorted(self._loras):
+                    await self._edge.run(b.register_lora, self._endpoint, self._registration, lora_name)
         except Exception as exc:
             where = b.control_plane(self._settings) or f"{self._settings.discovery_backend} discovery"
             if self._settings.discovery_backend == "etcd" and await _etcd_answers():
@@ -274,7 +377,10 @@ class DynamoWorker:
             instance, card = file_discovery_keys(self._settings, self._instance_id)
             if self._serving and not self._withdrawn and not await trio.to_thread.run_sync(_fresh, instance):
                 return False
-            return self._registration is None or await trio.to_thread.run_sync(_fresh, card)
+            if self._registration is None:
+                return True
+            cards = [card, *(lora_card_key(card, name) for name in self._loras)]
+            return await trio.to_thread.run_sync(lambda: all(map(_fresh, cards)))
         if self._serving and not self._withdrawn:
             try:
                 return await self._instance_listed()

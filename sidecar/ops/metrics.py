@@ -147,6 +147,17 @@ REGISTRATION_RESTORES: Final = Counter(
     "Times the worker re-published its discovery registration after finding it gone",
     registry=REGISTRY,
 )
+LORA_ADAPTERS: Final = Gauge(
+    f"{PREFIX}_lora_adapters",
+    "LoRA adapters this worker serves (engine holds them and Dynamo lists their cards, or being reloaded)",
+    registry=REGISTRY,
+)
+LORA_OPERATIONS: Final = Counter(
+    f"{PREFIX}_lora_operations",
+    "load_lora / unload_lora calls by outcome: ok, already_loaded, or the error code of the answer",
+    ["operation", "outcome"],
+    registry=REGISTRY,
+)
 KV_EVENT_LAG: Final = Histogram(
     f"{PREFIX}_kv_event_lag_seconds",
     "Delay between the engine stamping a KV cache event and the worker publishing it to Dynamo",

@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 from statemachines import (
     KV_SUBSCRIPTION,
+    LORA,
     REQUEST,
     WORKER,
     KvSubscriptionLifecycle,
     Lifecycle,
+    LoraLifecycle,
     MachineKind,
     RequestLifecycle,
     WorkerLifecycle,
@@ -26,8 +28,9 @@ FACTORIES: dict[str, Callable[[], AnyModel]] = {
     "worker": WorkerLifecycle,
     "request": lambda: RequestLifecycle("req-test"),
     "kv_subscription": lambda: KvSubscriptionLifecycle(0),
+    "lora": lambda: LoraLifecycle("adapter-test"),
 }
-KINDS_UNDER_TEST: tuple[AnyKind, ...] = (WORKER, REQUEST, KV_SUBSCRIPTION)
+KINDS_UNDER_TEST: tuple[AnyKind, ...] = (WORKER, REQUEST, KV_SUBSCRIPTION, LORA)
 
 
 def new_model(kind: AnyKind) -> AnyModel:
