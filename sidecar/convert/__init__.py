@@ -7,6 +7,7 @@ stateful mapper) tested by tables.
 * :mod:`.enums` — lenient enum reads (unknown → UNSPECIFIED) and ``optional`` presence helpers.
 * :mod:`.capabilities` — :class:`Capabilities` from ``ServerInfo`` + ``ModelInfo``.
 * :mod:`.request` — :func:`build_generate_request`: ``PreprocessedRequest`` → ``GenerateRequest``.
+* :mod:`.media` — ``multi_modal_data`` → ``GenerateRequest.media`` in the original message order.
 * :mod:`.response` — :class:`ResponseMapper`: ``GenerateResponse`` batches → ``LLMEngineOutput`` chunks.
 * :mod:`.handoff` — the disaggregation handoff: ``KvSessionRef`` ⇄ ``disaggregated_params`` JSON.
 """

@@ -28,7 +28,9 @@ Capability-gated features (``docs/request-features.md``), each mapped only when 
 refused otherwise: guided decoding (one guide, advertised mode), prompt logprobs (aggregated requests; returned on
 the final chunk), ``routing.priority`` → ``openengine-priority``, DP rank → ``openengine-target-dp-rank`` (never on
 a decode leg: its ``kv.session`` decides), the cache salt → ``kv.cache_salt``, prefix-cache bypass →
-``kv.bypass_prefix_cache``. The ``openengine-extra:{json}`` annotation fills ``GenerateRequest.extra`` (non-portable).
+``kv.bypass_prefix_cache``, ``routing.lora_name`` → ``lora_name``, ``multi_modal_data`` → ``media`` in message order
+(:mod:`.media`; with an engine that takes text, ``extra_args.formatted_prompt`` becomes the input). The
+``openengine-extra:{json}`` annotation fills ``GenerateRequest.extra`` (non-portable).
 
 Disaggregation (context-first, ``dynamo-sidecar.md`` §5, ``tensorrt-llm-openengine.md`` §8):
 
@@ -56,6 +58,7 @@ from openengine_bp.openengine.v1 import EngineRole, GuidedDecodingMode
 from sidecar.errors import RequestRejected
 
 from .handoff import handoff_to_session
+from .media import map_media
 from .response import ResponseMapper
 from .structjson import StructValueError, json_to_pb_struct
 
@@ -180,7 +183,7 @@ FIELD_POLICY: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
             _MAPPED,
             "as routing.dp_rank, on prefill legs (which fall back to dp_rank); ignored on other legs",
         ),
-        "routing.lora_name": (_REFUSED, "LoRA not mapped yet"),
+        "routing.lora_name": (_MAPPED, "GenerateRequest.lora_name when supports_lora, else refused; empty: base model"),
         "routing.cache_salt": (_MAPPED, "kv.cache_salt when supports_cache_salt, else refused"),
         "routing.cache_namespace": (_MAPPED, "as routing.cache_salt; conflicting salts refused"),
         "routing.*": (_IGNORED, "worker ids, expected_output_tokens, priority_jump: the router's business"),
@@ -190,18 +193,30 @@ FIELD_POLICY: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
         ),
         "extra_args.disable_prefix_cache": (_MAPPED, "as extra_args.bypass_prefix_cache"),
         "extra_args.nvext.cache_salt": (_MAPPED, "as routing.cache_salt (the frontend sends both)"),
-        "extra_args.*": (_IGNORED, "frontend-level (messages, nvext response fields, ...)"),
+        "extra_args.messages": (_MAPPED, "the media order (read only when the request carries media)"),
+        "extra_args.formatted_prompt": (
+            _MAPPED,
+            "GenerateRequest.prompt instead of token_ids when media are present and supports_text_input",
+        ),
+        "extra_args.mm_hashes": (_MAPPED, "images' MediaItem.uuid (the frontend's media hashes), one per image"),
+        "extra_args.mm_hashes_by_modality": (_MAPPED, "MediaItem.uuid per modality, as mm_hashes"),
+        "extra_args.*": (_IGNORED, "frontend-level (nvext response fields, ...)"),
         "prefill_result": (
             _MAPPED,
             "decode role: disaggregated_params → kv.session (validated, number-faithful), "
             "prompt_tokens_details.cached_tokens → usage; refused on aggregated and prefill workers",
         ),
         "bootstrap_info": (_REFUSED, "client-bootstrap (SGLang-style) handoff is not supported; context-first only"),
-        "multi_modal_data": (_REFUSED, "media not mapped yet"),
-        "multi_modal_uuids": (_REFUSED, "media not mapped yet"),
-        "mm_routing_info": (_REFUSED, "media not mapped yet"),
-        "mm_processor_kwargs": (_REFUSED, "media not mapped yet"),
-        "media_io_kwargs": (_REFUSED, "media not mapped yet"),
+        "multi_modal_data": (
+            _MAPPED,
+            "GenerateRequest.media in message order when supports_multimodal, else refused: data: URLs → data_uri, "
+            "http(s) → url, other schemes refused; pre-decoded and uuid-only media refused; mixed modalities need "
+            "extra_args.messages",
+        ),
+        "multi_modal_uuids": (_MAPPED, "MediaItem.uuid (wins over the frontend's hashes); refused without media"),
+        "mm_routing_info": (_IGNORED, "the KV router's view of the same media; refused without media"),
+        "mm_processor_kwargs": (_REFUSED, "no per-request media processing options in OpenEngine v0.1.0"),
+        "media_io_kwargs": (_REFUSED, "no per-request media loading options in OpenEngine v0.1.0"),
         "encoder_result": (_REFUSED, "encoder handoff not supported"),
         "prompt_embeds": (_REFUSED, "prompt embeddings are not in OpenEngine v0.1.0"),
         "require_reasoning": (_REFUSED, "not mapped (as Dynamo's engine-neutral sidecar)"),
@@ -213,11 +228,8 @@ FIELD_POLICY: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
 # objects count as absent).
 _REFUSED_TOP_LEVEL: Final = (
     ("bootstrap_info", "client-bootstrap disaggregation is not supported (context-first handoffs only)"),
-    ("multi_modal_data", "multimodal input is not mapped yet"),
-    ("multi_modal_uuids", "multimodal input is not mapped yet"),
-    ("mm_routing_info", "multimodal input is not mapped yet"),
-    ("mm_processor_kwargs", "multimodal input is not mapped yet"),
-    ("media_io_kwargs", "multimodal input is not mapped yet"),
+    ("mm_processor_kwargs", "per-request media processing options are not supported by OpenEngine v0.1.0"),
+    ("media_io_kwargs", "per-request media loading options are not supported by OpenEngine v0.1.0"),
     ("encoder_result", "encoder handoff is not supported"),
     ("prompt_embeds", "prompt embeddings are not supported by OpenEngine v0.1.0"),
 )
@@ -421,6 +433,8 @@ def build_generate_request(
     prompt_logprobs = _map_prompt_logprobs(result, output, caps, leg)
     _map_guided(result, sampling, caps)
     _map_kv_options(result, routing, extra_args, caps)
+    _map_lora(result, routing, caps)
+    _map_media(result, request, extra_args, caps)
     _map_extra(result, request)
     engine_metadata = _engine_metadata(routing, caps, leg)
     cached: int | None = None
@@ -515,9 +529,6 @@ def _refuse_unmapped(
 
     if _bool(output.get("formatted_prompt"), "output_options.formatted_prompt"):
         raise RequestRejected("output_options.formatted_prompt", "returning the formatted prompt is not supported")
-
-    if not _is_unset(routing.get("lora_name")):
-        raise RequestRejected("routing.lora_name", "LoRA adapters are not mapped yet")
 
 
 # ----------------------------------------------------------------------------- capability-gated request features
@@ -683,6 +694,45 @@ def _map_kv_options(
             if caps.supports_prefix_cache_bypass is not True:
                 raise RequestRejected(field, "the engine does not advertise supports_prefix_cache_bypass")
             target.kv.bypass_prefix_cache = True
+
+
+def _map_lora(target: generation_pb2.GenerateRequest, routing: Mapping[str, Any], caps: Capabilities) -> None:
+    """``routing.lora_name`` → ``GenerateRequest.lora_name`` (the frontend sets it for a LoRA model's requests)."""
+    name = routing.get("lora_name")
+    if name is None or name == "":
+        return  # the base model
+    if not isinstance(name, str):
+        raise RequestRejected("routing.lora_name", f"must be a string, got {type(name).__name__}")
+    if caps.supports_lora is not True:
+        raise RequestRejected("routing.lora_name", "the engine does not advertise supports_lora")
+    target.lora_name = name
+
+
+def _map_media(
+    target: generation_pb2.GenerateRequest,
+    request: Mapping[str, Any],
+    extra_args: Mapping[str, Any],
+    caps: Capabilities,
+) -> None:
+    """``multi_modal_data`` → ``media`` in message order; with a text-capable engine, the rendered prompt as input."""
+    if _is_unset(request.get("multi_modal_data")):
+        for key in ("multi_modal_uuids", "mm_routing_info"):
+            if not _is_unset(request.get(key)):
+                raise RequestRejected(key, "describes media the request does not carry (no multi_modal_data)")
+        return
+    if caps.supports_multimodal is not True:
+        raise RequestRejected("multi_modal_data", "the engine does not advertise supports_multimodal")
+    map_media(target, request, extra_args)
+    prompt = extra_args.get("formatted_prompt")
+    if prompt is None or caps.supports_text_input is not True:
+        return
+    if not isinstance(prompt, str):
+        raise RequestRejected("extra_args.formatted_prompt", f"must be a string, got {type(prompt).__name__}")
+    if prompt:
+        # As Dynamo's engine-neutral sidecar: an engine that takes text runs its own multimodal processor (placeholder
+        # expansion) over the rendered chat template. The token ids stay the measure of the prompt (window, usage
+        # fallback): the frontend tokenized this very text.
+        target.prompt = prompt
 
 
 def _engine_metadata(routing: Mapping[str, Any], caps: Capabilities, leg: Role) -> list[tuple[str, str]]:

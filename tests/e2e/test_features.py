@@ -8,50 +8,18 @@ before any RPC (the engine serves nothing).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 import pytest
 import trio
 
-from sidecar.convert.structjson import bp_struct_to_json
-from sidecar.edge import open_edge
-from sidecar.engine import EngineClientConfig, open_engine_client, parse_endpoint
 from tests.helpers.processes import DynamoEnv, Frontend
-from tests.helpers.stack import MODEL, dump_logs, start_engine, start_sidecar, wait_routable
+from tests.helpers.stack import MODEL, engine_and_worker, mock_stats
 
 pytestmark = pytest.mark.e2e
 
 MESSAGES = [{"role": "user", "content": "Tell me about the river."}]
-
-
-async def mock_stats(address: str) -> dict[str, Any]:
-    """The engine's cumulative ``ServerInfo.extra.mock_stats``."""
-    async with (
-        open_edge() as edge,
-        open_engine_client(edge, EngineClientConfig(endpoint=parse_endpoint(address), connections=1)) as client,
-    ):
-        info = await client.get_server_info()
-    assert info.extra is not None
-    stats = bp_struct_to_json(info.extra).get("mock_stats") or {}
-    assert isinstance(stats, dict)
-    return stats
-
-
-@asynccontextmanager
-async def stack(denv: DynamoEnv, frontend: Frontend, *mock_args: str) -> AsyncIterator[str]:
-    async with (
-        start_engine(denv, "--speedup", "0", *mock_args) as engine,
-        start_sidecar(denv, engine.address),
-    ):
-        await wait_routable(frontend.url, workers=1)
-        try:
-            yield engine.address
-        except BaseException:
-            dump_logs(denv)
-            raise
 
 
 async def chat(url: str, **body: Any) -> httpx.Response:
@@ -61,7 +29,7 @@ async def chat(url: str, **body: Any) -> httpx.Response:
 
 async def test_advertised_features_reach_the_engine(dynamo_env: DynamoEnv, frontend: Frontend) -> None:
     with trio.fail_after(120):
-        async with stack(
+        async with engine_and_worker(
             dynamo_env, frontend, "--capability", "guided=true", "--capability", "priority=true"
         ) as engine:
             url = frontend.url
@@ -107,7 +75,7 @@ async def test_advertised_features_reach_the_engine(dynamo_env: DynamoEnv, front
 
 async def test_unadvertised_features_are_refused_before_any_rpc(dynamo_env: DynamoEnv, frontend: Frontend) -> None:
     with trio.fail_after(120):
-        async with stack(
+        async with engine_and_worker(
             dynamo_env, frontend, "--capability", "cache_salt=false", "--capability", "prompt_logprobs=false"
         ) as engine:
             url = frontend.url

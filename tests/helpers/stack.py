@@ -11,15 +11,17 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import trio
 
 from openengine_bp.openengine.v1 import LoadInfo
+from sidecar.convert.structjson import bp_struct_to_json
 from sidecar.edge import open_edge
 from sidecar.engine import EngineClientConfig, open_engine_client, parse_endpoint
 
-from .processes import DynamoEnv, Process, free_low_port, start_process
+from .processes import DynamoEnv, Frontend, Process, free_low_port, start_process
 
 MODEL = "tiny-oe"
 MODEL_DIR = Path(__file__).resolve().parents[2] / "sidecar" / "testing" / "mock" / "model"
@@ -144,3 +146,32 @@ async def wait_routable(url: str, workers: int, timeout: float = 30.0) -> None:
                 except (httpx.HTTPError, ValueError):
                     pass
                 await trio.sleep(0.05)
+
+
+async def mock_stats(address: str) -> dict[str, Any]:
+    """The engine's cumulative ``ServerInfo.extra.mock_stats`` (what ``openengine-mock`` received)."""
+    async with (
+        open_edge() as edge,
+        open_engine_client(edge, EngineClientConfig(endpoint=parse_endpoint(address), connections=1)) as client,
+    ):
+        info = await client.get_server_info()
+    assert info.extra is not None
+    stats = bp_struct_to_json(info.extra).get("mock_stats") or {}
+    assert isinstance(stats, dict)
+    return stats
+
+
+@asynccontextmanager
+async def engine_and_worker(denv: DynamoEnv, frontend: Frontend, *mock_args: str) -> AsyncIterator[str]:
+    """A zero-delay ``openengine-mock`` started with ``mock_args`` and one worker, routable through ``frontend``;
+    yields the engine's address. Logs are dumped when the body fails."""
+    async with (
+        start_engine(denv, "--speedup", "0", *mock_args) as engine,
+        start_sidecar(denv, engine.address),
+    ):
+        await wait_routable(frontend.url, workers=1)
+        try:
+            yield engine.address
+        except BaseException:
+            dump_logs(denv)
+            raise

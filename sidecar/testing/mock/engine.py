@@ -352,8 +352,10 @@ class Engine:
             on_release=self._pump,
         )
         #: What this engine served, by kind (``ServerInfo.extra.mock_stats``): prefill legs, decode legs, whole
-        #: requests, plus the KV session counters of ``kv_sessions``.
+        #: requests, request features, plus the KV session counters of ``kv_sessions``.
         self.served: collections.Counter[str] = collections.Counter()
+        #: The last media request's items in the order the engine fills placeholders (``mock_stats.last_media``).
+        self.last_media: list[dict[str, str]] = []
         self._probes = 0
         self._probe: asyncio.Future[tuple[lifecycle_pb2.HealthState, str]] | None = None
         self._eos = frozenset(lm.eos_token_ids)
@@ -418,6 +420,11 @@ class Engine:
             served["prompt_logprobs_requests"] += 1
         if plan.script is not None and plan.script_ends_with_eos:
             served["guided_requests"] += 1
+        if plan.text_prompt:
+            served["text_prompt_requests"] += 1
+        if plan.media:
+            served["media_requests"] += 1
+            self.last_media = [{"modality": m.modality, "source": m.source, "uuid": m.uuid} for m in plan.media]
 
     async def generate(self, req: LiveRequest, send: Sender, drop: Callable[[], None]) -> None:
         """Serve an accepted request to its end; never raises for application failures (they become events)."""

@@ -184,7 +184,8 @@ class ControlService(openengine_grpc.ControlBase):
             kvc.local_endpoints.add(host=self._engine.listen_host, port=self._engine.kv_sessions.port, protocol="tcp")
         fill_struct(info.extra, {"mock": True, "mock_kv_block_hash_algo": BLOCK_HASH_ALGO})
         # Cumulative counters of what this engine served (disaggregation tests check which engine did which leg).
-        fill_struct(info.extra, {"mock_stats": {**self._engine.served, **self._engine.kv_sessions.stats}})
+        stats = {**self._engine.served, **self._engine.kv_sessions.stats, "last_media": self._engine.last_media}
+        fill_struct(info.extra, {"mock_stats": stats})
         return info
 
     async def _model_info(self, request: model_pb2.GetModelInfoRequest) -> model_pb2.ModelInfo:

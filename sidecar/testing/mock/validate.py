@@ -32,8 +32,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_STOP_CONDITIONS",
+    "PLACEHOLDERS",
     "PROMPT_LOGPROB_LIMIT",
     "DecodeSession",
+    "MediaInput",
     "Rejection",
     "RequestPlan",
     "validate_request",
@@ -45,6 +47,13 @@ PROMPT_LOGPROB_LIMIT = 1_000_000
 _INT32 = (-(2**31), 2**31 - 1)
 _DECIMAL = re.compile(r"[+-]?[0-9]+")
 _REQUEST_TYPES = ("context_and_generation", "context_only")
+#: ``Modality`` numbers (generation.proto) → names; UNSPECIFIED (0) and unknown numbers are refused.
+_MODALITIES = {1: "image", 2: "video", 3: "audio"}
+#: The mock model's media placeholders: prompt text ``<image>`` stands where ``media[i]`` (an image) goes.
+PLACEHOLDERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
+_PLACEHOLDER = re.compile(r"<(image|video|audio)>")
+# data:<type>/<subtype>[;param=value]*;base64,<payload> (wire §7.11: the engine decodes base64 data URIs).
+_DATA_URI = re.compile(r"data:([A-Za-z0-9!#$&^_.+-]+)/[A-Za-z0-9!#$&^_.+-]+(?:;[^;,]+)*?;base64,(.*)", re.S | re.I)
 
 
 class Rejection(Exception):
@@ -65,6 +74,16 @@ class DecodeSession:
     #: Where the context engine's KV transfer endpoint is (None: only ``opaque_state``, nothing to pull from).
     host: str | None = None
     port: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MediaInput:
+    """What the engine took from one ``MediaItem`` (the mock fetches and decodes nothing)."""
+
+    modality: str
+    #: Which ``source`` member was set: ``url``, ``data_uri`` or ``raw_bytes``.
+    source: str
+    uuid: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,6 +120,9 @@ class RequestPlan:
     script: tuple[int, ...] | None
     script_ends_with_eos: bool
     faults: MockFaults
+    media: tuple[MediaInput, ...] = ()
+    #: The request came as text (``prompt``), not token ids.
+    text_prompt: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -137,6 +159,48 @@ def _candidates(name: str, response: generation_pb2.ResponseOptions, field: str,
     if top_n > max_top_n:
         raise _invalid(f"{name}.top_n={top_n} exceeds max_top_n={max_top_n}")
     return top_n
+
+
+def _media(request: generation_pb2.GenerateRequest) -> tuple[MediaInput, ...]:
+    """Check every ``MediaItem`` as an engine must before fetching: a modality, one well-formed source."""
+    seen: list[MediaInput] = []
+    for i, item in enumerate(request.media):
+        modality = _MODALITIES.get(item.modality)
+        if modality is None:
+            raise _invalid(f"media[{i}].modality must be image, video or audio, got {item.modality}")
+        source = item.WhichOneof("source")
+        if source is None:
+            raise _invalid(f"media[{i}] needs exactly one source (url, data_uri or raw_bytes)")
+        if source == "url" and not item.url:
+            raise _invalid(f"media[{i}].url must not be empty")
+        if source == "raw_bytes" and not item.raw_bytes:
+            raise _invalid(f"media[{i}].raw_bytes must not be empty")
+        if source == "data_uri":
+            match = _DATA_URI.fullmatch(item.data_uri)
+            if match is None:
+                raise _invalid(f"media[{i}].data_uri must be data:<type>/<subtype>;base64,<payload>")
+            try:
+                base64.b64decode(match.group(2), validate=True)
+            except (binascii.Error, ValueError):
+                raise _invalid(f"media[{i}].data_uri: the payload is not valid base64") from None
+            kind = match.group(1).lower()
+            if kind in _MODALITIES.values() and kind != modality:
+                raise _invalid(f"media[{i}] is {modality} but its data_uri holds {kind} data")
+        seen.append(MediaInput(modality=modality, source=source, uuid=item.uuid))
+    return tuple(seen)
+
+
+def _placeholder_checks(text: str, media: tuple[MediaInput, ...]) -> None:
+    """Item *i* fills the *i*-th placeholder (wire §7.5); checked only when the prompt has placeholders at all."""
+    found = _PLACEHOLDER.findall(text)
+    if not found:
+        return  # a template that renders no placeholders: nothing to align against
+    wanted = [item.modality for item in media]
+    if len(found) != len(wanted):
+        raise _invalid(f"the prompt has {len(found)} media placeholders for {len(wanted)} media items")
+    for i, (placeholder, modality) in enumerate(zip(found, wanted, strict=True)):
+        if placeholder != modality:
+            raise _invalid(f"media[{i}] is {modality} but placeholder {i} is {PLACEHOLDERS[placeholder]}")
 
 
 def _metadata_checks(metadata: MultiDict[str | bytes] | None, config: MockConfig) -> int:
@@ -259,12 +323,11 @@ def validate_request(
         raise _reject(Status.ALREADY_EXISTS, f"request_id {request.request_id!r} is already active")
 
     # 4. Features this engine may not support.
+    media: tuple[MediaInput, ...] = ()
     if request.media:
         if not caps.multimodal:
             raise _unimplemented("media inputs are not supported (supports_multimodal=false)")
-        for i, item in enumerate(request.media):
-            if item.WhichOneof("source") is None:
-                raise _invalid(f"media[{i}] needs exactly one source")
+        media = _media(request)
     lora_name = request.lora_name or None
     if lora_name is not None:
         if not caps.lora:
@@ -293,6 +356,8 @@ def validate_request(
         bad = next((t for t in prompt_ids if t >= lm.vocab_size), None)
         if bad is not None:
             raise _invalid(f"token id {bad} is out of range (vocab_size={lm.vocab_size})")
+    if media:
+        _placeholder_checks(request.prompt if kind == "prompt" else lm.decode(prompt_ids), media)
 
     # 6. Sampling, stopping, response options, guided decoding, extra.
     sampling = request.sampling
@@ -479,4 +544,6 @@ def validate_request(
         script=script,
         script_ends_with_eos=script_ends_with_eos,
         faults=faults,
+        media=media,
+        text_prompt=kind == "prompt",
     )
