@@ -143,45 +143,32 @@ def _runtime_config(reg: Registration) -> ModelRuntimeConfig:
     return config
 
 
-async def register(endpoint: Endpoint, reg: Registration) -> None:
-    """``register_model`` with everything ``reg`` carries. Calling it again with the same card is a no-op rewrite."""
+async def register(endpoint: Endpoint, reg: Registration, lora_name: str | None = None) -> None:
+    """``register_model`` with everything ``reg`` carries. Calling it again with the same card is a no-op rewrite.
+
+    With ``lora_name``: a LoRA model card on our endpoint, next to the base card (same routing and runtime config):
+    the frontend lists ``lora_name`` in ``/v1/models`` and routes ``model=lora_name`` here with ``routing.lora_name``
+    (``dynamo-runtime.md`` §7). Its key in discovery is the base card's plus ``/<slug of lora_name>``.
+    """
     model_input = dynamo.llm.ModelInput.Tokens if reg.model_input == "tokens" else dynamo.llm.ModelInput.Text
     router_config = dynamo.llm.RouterConfig(dynamo.llm.RouterMode.KV) if reg.router_mode == "kv" else None
     needs = [[_WORKER_TYPES[role] for role in group] for group in reg.needs] or None
+    if lora_name is None:
+        identity: dict[str, Any] = {"model_aliases": list(reg.aliases) or None, "max_gpu_lora_count": reg.max_loras}
+    else:
+        identity = {"lora_name": lora_name, "base_model_path": reg.model_path}
     await dynamo.llm.register_model(
         model_input,
         _model_type(reg),
         endpoint,
         reg.model_path,
-        reg.served_model_name,
+        lora_name or reg.served_model_name,
         worker_type=_WORKER_TYPES[reg.worker_type],
         kv_cache_block_size=reg.kv_block_size,
         router_config=router_config,
         runtime_config=_runtime_config(reg),
         needs=needs,
-        model_aliases=list(reg.aliases) or None,
-        max_gpu_lora_count=reg.max_loras,
-    )
-
-
-async def register_lora(endpoint: Endpoint, reg: Registration, lora_name: str) -> None:
-    """A LoRA model card on our endpoint, next to the base card: the frontend lists ``lora_name`` in ``/v1/models`` and
-    routes ``model=lora_name`` here with ``routing.lora_name`` (``dynamo-runtime.md`` §7). Its key in discovery is the
-    base card's plus ``/<slug of lora_name>``."""
-    model_input = dynamo.llm.ModelInput.Tokens if reg.model_input == "tokens" else dynamo.llm.ModelInput.Text
-    needs = [[_WORKER_TYPES[role] for role in group] for group in reg.needs] or None
-    await dynamo.llm.register_model(
-        model_input,
-        _model_type(reg),
-        endpoint,
-        reg.model_path,
-        lora_name,
-        worker_type=_WORKER_TYPES[reg.worker_type],
-        kv_cache_block_size=reg.kv_block_size,
-        runtime_config=_runtime_config(reg),
-        needs=needs,
-        lora_name=lora_name,
-        base_model_path=reg.model_path,
+        **identity,
     )
 
 

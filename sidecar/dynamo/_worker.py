@@ -173,7 +173,7 @@ class DynamoWorker:
         """Publish a LoRA model card for ``lora_name`` on top of the base card (which must be registered)."""
         if self._registration is None:
             raise RuntimeError("the base model is not registered (draining or withdrawn)")
-        await self._edge.run(b.register_lora, self._endpoint, self._registration, lora_name)
+        await self._edge.run(b.register, self._endpoint, self._registration, lora_name)
         self._loras.add(lora_name)
 
     async def unregister_lora(self, lora_name: str) -> None:
@@ -273,7 +273,7 @@ class DynamoWorker:
             if self._registration is not None:
                 await self._edge.run(b.register, self._endpoint, self._registration)
                 for lora_name in sorted(self._loras):
-                    await self._edge.run(b.register_lora, self._endpoint, self._registration, lora_name)
+                    await self._edge.run(b.register, self._endpoint, self._registration, lora_name)
         except Exception as exc:
             where = b.control_plane(self._settings) or f"{self._settings.discovery_backend} discovery"
             if self._settings.discovery_backend == "etcd" and await _etcd_answers():
