@@ -3,11 +3,12 @@
     python -m bench.client_throughput            # full run (~1.5 min)
     python -m bench.client_throughput --quick    # smoke run (~20 s)
 
-One mock process (``--speedup 0 --stream-interval 1``: one token per message, no model time) serves every
-measurement. Each measurement runs in a fresh child process so that neither client inherits the other's threads,
-caches or GC state, and so that its CPU time (``getrusage``, all threads) is its own. A child keeps ``S`` stream
-slots busy (each slot re-issues a 20k-token ``ignore_eos`` request whenever one ends), lets them warm up, then counts
-the messages consumed during a fixed window. Clients run in the order A B A B and the medians are reported.
+One mock process (``--speedup 0 --stream-interval 1``: one token per message, no model time; ``--paced-ms`` paces
+it) serves every measurement. Each measurement runs in a fresh child process so that neither client inherits the
+other's threads, caches or GC state, and so that its CPU time (``getrusage``, all threads) is its own. A child keeps
+``S`` stream slots busy (each slot re-issues a 20k-token ``ignore_eos`` request whenever one ends; the mock has KV
+room for all of them), lets them warm up, then counts the messages consumed during a fixed window. Clients run in
+the order A B A B and the medians are reported.
 
 With two or more CPUs the mock is pinned to the last CPU and the clients to CPU 0 (``--no-pin`` to disable), as in
 ``grpc-stack.md`` §5, so the client gets exactly one core. The mock is a Python server too: its CPU share during the
@@ -18,6 +19,13 @@ Clients:
 * ``ours``       — ``open_edge`` + ``open_engine_client`` + ``generate`` (grpclib on the uvloop edge thread, batched
   bridge into trio), with the default pool of 8 connections;
 * ``ours-1conn`` — the same with one connection (64-stream rows only), the like-for-like transport comparison;
+* ``path``       — the worker's whole request path minus Dynamo's binding: per stream an asyncio task iterates the
+  Dynamo handler (``sidecar.dynamo._handler.make_handler``, a stand-in ``Context``), whose pump runs
+  ``RequestServer.handle`` in trio over ``edge.trio_stream``, which reads ``generate`` (64-stream rows only;
+  ``--path-only`` measures nothing else); it counts engine messages consumed, like the others;
+* ``path-h2repr`` — the same with hyperframe's own ``Frame.__repr__`` restored (``--repr-ab``): what the engine
+  client's repr patch saves, toggled in one run;
+* ``path@NAME``  — the same, imported from another checkout (``--tree NAME=DIR``): a before/after in one run;
 * ``reference``  — ``grpc.aio`` channel, ``unary_stream('/openengine.v1.Inference/Generate')`` with upb
   (de)serializers, consumed with ``async for`` (one channel, as grpcio users write it).
 """
@@ -25,6 +33,8 @@ Clients:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
 import resource
@@ -140,6 +150,85 @@ def child_ours(args: argparse.Namespace) -> Result:
     return trio.run(main)
 
 
+# ---------------------------------------------------------------------------------------------- child: path
+
+
+def child_path(args: argparse.Namespace) -> Result:
+    """Measure the request path: Dynamo handler -> trio request task -> engine client, all but Dynamo's binding."""
+    import asyncio
+
+    import trio
+
+    from sidecar.convert import Capabilities
+    from sidecar.dynamo._handler import make_handler
+    from sidecar.edge import open_edge
+    from sidecar.engine import EngineClientConfig, open_engine_client, parse_endpoint
+    from sidecar.engine import _client as engine_client
+    from sidecar.requests import RequestServer, ServingContext
+
+    if args.h2_repr:
+        import hyperframe.frame
+
+        hyperframe.frame.Frame.__repr__ = engine_client.HYPERFRAME_REPR  # type: ignore[method-assign]
+
+    class Context:
+        def __init__(self, request_id: str) -> None:
+            self._id = request_id
+
+        def id(self) -> str:
+            return self._id
+
+        def trace_headers(self) -> None:
+            return None
+
+        async def async_killed_or_stopped(self) -> None:
+            await asyncio.Event().wait()
+
+    async def main() -> Result:
+        async with open_edge() as edge:
+            config = EngineClientConfig(parse_endpoint(args.target), connections=args.connections)
+            async with open_engine_client(edge, config) as client:
+                info = await client.wait_connected(trio.current_time() + 15)
+                model = info.supported_models[0]
+                caps = Capabilities.from_discovery(info, await client.get_model_info(model))
+                server = RequestServer()
+                server.attach(ServingContext(client, caps, model, caps.max_context_length or 0, 5.0, 60.0))
+                count = 0
+                finished = 0
+                body = {
+                    "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+                    "stop_conditions": {"max_tokens": args.max_tokens, "ignore_eos": True},
+                    "sampling_options": {"temperature": 0.0},
+                }
+
+                async with trio.open_nursery() as nursery:
+                    generate = make_handler(edge, nursery, server.handle)
+
+                    async def slot(index: int) -> None:
+                        nonlocal count, finished
+                        with contextlib.suppress(Exception):  # the end of the window cancels the trio side
+                            for n in itertools.count():
+                                request = generate(dict(body), Context(f"{index}-{n}"))  # type: ignore[arg-type]
+                                async for chunk in request:
+                                    count += len(chunk["token_ids"])  # one token per engine message
+                                finished += 1
+
+                    async def start() -> None:
+                        for index in range(args.streams):
+                            edge.loop.create_task(slot(index))
+
+                    await edge.run(start)
+                    await trio.sleep(args.warmup)
+                    c0, f0, t0, cpu0, srv0 = count, finished, time.perf_counter(), own_cpu_s(), process_cpu_s(args.pid)
+                    await trio.sleep(args.window)
+                    c1, f1, t1, cpu1, srv1 = count, finished, time.perf_counter(), own_cpu_s(), process_cpu_s(args.pid)
+                    nursery.cancel_scope.cancel(reason="measurement window over")
+        name = "path-h2repr" if args.h2_repr else "path"
+        return Result(name, args.streams, c1 - c0, t1 - t0, cpu1 - cpu0, srv1 - srv0, f1 - f0)
+
+    return trio.run(main)
+
+
 # ---------------------------------------------------------------------------------------------- child: reference
 
 
@@ -185,11 +274,14 @@ def child_reference(args: argparse.Namespace) -> Result:
 
 
 class Mock:
-    """``openengine-mock --speedup 0`` as a subprocess, killed on exit whatever happens."""
+    """``openengine-mock --speedup 0`` (or paced, ``decode_ms`` per step) as a subprocess, killed on exit."""
 
-    def __init__(self, cpu: int | None, max_tokens: int) -> None:
+    def __init__(self, cpu: int | None, max_tokens: int, decode_ms: float | None = None) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="bench-mock-")
         port_file = Path(self._tmp.name) / "port"
+        timing = ["--speedup", "0"]
+        if decode_ms is not None:
+            timing = ["--speedup", "1", "--decode-ms-per-token", str(decode_ms)]
         argv = [
             sys.executable,
             "-m",
@@ -198,14 +290,17 @@ class Mock:
             "0",
             "--port-file",
             str(port_file),
-            "--speedup",
-            "0",
+            *timing,
             "--stream-interval",
             "1",
             "--max-context-length",
             str(max_tokens + 64),
             "--max-running-requests",
             "1024",
+            # Room for every stream: at the mock's default 4,096 blocks, three 20k-token requests fill the KV cache
+            # and the other slots wait in its queue.
+            "--total-kv-blocks",
+            str(1024 * (-(-(max_tokens + 64) // 16))),
             "--log-level",
             "WARNING",
         ]
@@ -240,6 +335,13 @@ class Mock:
         self._tmp.cleanup()
 
 
+def _named_tree(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not Path(path).is_dir():
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR with an existing DIR, got {text!r}")
+    return name, Path(path)
+
+
 def run_child(client: str, streams: int, target: str, pid: int, args: argparse.Namespace, cpu: int | None) -> Result:
     """One measurement in a fresh interpreter; its last stdout line is the JSON result."""
     connections = 1 if client == "ours-1conn" else args.connections
@@ -248,7 +350,7 @@ def run_child(client: str, streams: int, target: str, pid: int, args: argparse.N
         "-m",
         "bench.client_throughput",
         "--child",
-        "ours" if client.startswith("ours") else "reference",
+        "path" if client.startswith("path") else "ours" if client.startswith("ours") else "reference",
         "--target",
         target,
         "--pid",
@@ -264,9 +366,16 @@ def run_child(client: str, streams: int, target: str, pid: int, args: argparse.N
         "--max-tokens",
         str(args.max_tokens),
     ]
+    if client == "path-h2repr":
+        argv.append("--h2-repr")
+    # path@NAME: the same child, imported from another checkout (--tree NAME=DIR), e.g. the commit before a change.
+    tree = dict(args.tree)[client.partition("@")[2]] if client.startswith("path@") else None
+    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
     preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
     done = subprocess.run(
         argv,
+        cwd=tree,
+        env=env,
         capture_output=True,
         text=True,
         timeout=args.warmup + args.window + 60,
@@ -293,15 +402,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=20000, help="tokens per request [%(default)s]")
     parser.add_argument("--no-pin", action="store_true", help="do not pin the mock and the clients to CPUs")
     parser.add_argument("--no-1conn", action="store_true", help="skip the one-connection variant of our client")
+    parser.add_argument(
+        "--paced-ms",
+        type=float,
+        help="pace the mock (--speedup 1, this many ms per decode step at batch 1): every client then sees the same "
+        "message rate, and client µs/msg compares per-message costs at that rate (64 streams, 2.5 ms: ~12.8k msg/s)",
+    )
+    parser.add_argument(
+        "--tree",
+        type=_named_tree,
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="also measure the request path as imported from DIR (a copy of another commit, e.g. `git archive HEAD "
+        "| tar -x -C DIR`, with this bench file), interleaved, as client path@NAME (repeatable)",
+    )
+    parser.add_argument("--path-only", action="store_true", help="measure only the request path (64-stream rows)")
+    parser.add_argument(
+        "--repr-ab", action="store_true", help="also the request path with hyperframe's own Frame.__repr__"
+    )
     # child mode (internal)
-    parser.add_argument("--child", choices=["ours", "reference"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["ours", "reference", "path"], help=argparse.SUPPRESS)
+    parser.add_argument("--h2-repr", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.child is not None:
         (args.streams,) = args.streams  # a child measures one stream count
-        result = child_ours(args) if args.child == "ours" else child_reference(args)
+        children = {"ours": child_ours, "reference": child_reference, "path": child_path}
+        result = children[args.child](args)
         fields = {k: getattr(result, k) for k in Result.__dataclass_fields__}
         print(json.dumps(fields))
         return 0
@@ -312,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     pin = not args.no_pin and len(cpus) >= 2
     server_cpu, client_cpu = (cpus[-1], cpus[0]) if pin else (None, None)
     started = time.monotonic()
-    mock = Mock(server_cpu, args.max_tokens)
+    mock = Mock(server_cpu, args.max_tokens, args.paced_ms)
     results: dict[tuple[str, int], list[Result]] = {}
     try:
         pinning = f"mock on CPU {server_cpu}, clients on CPU {client_cpu}" if pin else "no CPU pinning"
@@ -322,9 +452,14 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         for streams in args.streams:
-            clients = ["ours", "reference"]
-            if streams > 1 and not args.no_1conn:
+            clients = [] if args.path_only else ["ours", "reference"]
+            if streams > 1 and not args.no_1conn and not args.path_only:
                 clients.append("ours-1conn")
+            if streams > 1:
+                clients.append("path")
+                if args.repr_ab:
+                    clients.append("path-h2repr")
+                clients.extend(f"path@{name}" for name, _ in args.tree)
             for round_ in range(args.rounds):
                 for client in clients:
                     result = run_child(client, streams, mock.target, mock.pid, args, client_cpu)
@@ -354,7 +489,8 @@ def print_table(results: dict[tuple[str, int], list[Result]], stream_counts: lis
     rates: dict[tuple[str, int], float] = {}
     cpu: dict[tuple[str, int], float] = {}
     for streams in stream_counts:
-        for client in ("ours", "ours-1conn", "reference"):
+        trees = dict.fromkeys(c for c, _ in results if "@" in c)
+        for client in ("ours", "ours-1conn", "path", "path-h2repr", *trees, "reference"):
             runs = results.get((client, streams))
             if not runs:
                 continue
@@ -365,6 +501,19 @@ def print_table(results: dict[tuple[str, int], list[Result]], stream_counts: lis
             print(f"{client:<12}{streams:>8}{rate:>16.0f}{us:>15.1f}{100 * share:>11.0f}%{len(runs):>6}")
     print()
     for streams in stream_counts:
+        if ("path-h2repr", streams) in cpu and ("path", streams) in cpu:
+            patched, original = cpu[("path", streams)], cpu[("path-h2repr", streams)]
+            print(
+                f"request path at {streams} stream(s): {patched:.1f} µs/msg with the repr patch, {original:.1f} "
+                f"without ({patched / original:.2f}x)"
+            )
+        for client, count in cpu:
+            if count == streams and "@" in client and ("path", streams) in cpu:
+                here, there = cpu[("path", streams)], cpu[(client, streams)]
+                print(
+                    f"request path at {streams} stream(s): {here:.1f} µs/msg here, {there:.1f} in "
+                    f"{client.partition('@')[2]} ({here / there:.2f}x)"
+                )
         ref = rates.get(("reference", streams))
         if not ref:
             continue

@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         engine,
         "--grpc-connections",
         "DYN_SIDECAR_GRPC_CONNECTIONS",
-        "independent HTTP/2 connections to the engine; Generate streams are spread round-robin",
+        "independent HTTP/2 connections to the engine for Generate streams (spread round-robin); Control RPCs use one "
+        "more of their own, so they never wait behind streams for a stream slot",
         default=8,
         type=_positive(int),
     )

@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import trio
@@ -49,6 +48,7 @@ from statemachines import RequestLifecycle
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
+    from contextlib import AbstractAsyncContextManager
 
     from sidecar.convert import Capabilities, GenerateCall
     from sidecar.convert.request import Role
@@ -101,12 +101,17 @@ class ActiveRequest:
     The request task never holds a cancel scope across a ``yield`` (the consumer's code would run inside it), so a
     worker cancellation interrupts only the task's awaits on the engine: ``waiting`` is the scope of the await in
     progress, and the next await after a ``yield`` checks ``worker_error`` first.
+
+    It also holds the request's engine stream between :meth:`open_stream` and :meth:`close_stream` (one slot where
+    an ``AsyncExitStack`` used to be: the stream is opened under a shield on a decode leg, but always closed by the
+    request task's own ``try``).
     """
 
     lifecycle: RequestLifecycle
     waiting: trio.CancelScope | None = None
     # Set when the worker ends the request; it is what the client is told (a migratable error).
     worker_error: SidecarError | None = None
+    _stream: AbstractAsyncContextManager[Any] | None = field(default=None, repr=False)
 
     def cancel(self, error: SidecarError) -> None:
         """End the request from the worker's side (drain deadline, engine lost) with ``error`` for the client."""
@@ -114,6 +119,22 @@ class ActiveRequest:
             self.worker_error = error
         if self.waiting is not None:
             self.waiting.cancel(reason=error.message)
+
+    async def open_stream(self, client: EngineClient, call: GenerateCall) -> AsyncIterator[_Batch]:
+        """Open the request's ``Generate`` stream (closed by :meth:`close_stream`) and return its batches."""
+        stream = client.generate(call.request, metadata=call.metadata)
+        batches = await stream.__aenter__()
+        self._stream = stream
+        return aiter(batches)
+
+    async def close_stream(self, error: BaseException | None) -> None:
+        """Leave the engine stream as ``async with`` would, ``error`` being what ends the block (None: none)."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            if error is None:
+                await stream.__aexit__(None, None, None)
+            else:
+                await stream.__aexit__(type(error), error, error.__traceback__)
 
     async def next_batch(self, stream: AsyncIterator[_Batch], timeout_s: float) -> _Batch | None:
         """The next batch from the engine, None at the end of the stream; raises on worker cancel or hang."""
@@ -143,6 +164,9 @@ class RequestServer:
         #: Set when a request saw the engine unreachable, so the worker's health watch looks at once instead of at
         #: its next poll; the watch replaces it after each look.
         self.engine_trouble = trio.Event()
+        #: Batches delivered from the engine so far: lets the health watch tell a busy engine (Health slow, tokens
+        #: flowing) from a lost one.
+        self.progress = 0
 
     @property
     def serving(self) -> ServingContext | None:
@@ -213,21 +237,18 @@ class RequestServer:
         outcome = "failed"
         stats = metrics.RequestStats(len(request.get("token_ids") or ()))
         try:
-            async with AsyncExitStack() as exits:
+            final: list[dict[str, Any]] = []
+            try:  # the engine stream's block: every way out of it goes through active.close_stream
                 first: _Batch | None = None
                 have_first = False
                 engine_holds_request = True
                 if call.handoff:
                     lifecycle.fire("submit_decode")
-                    stream, first = await _open_deferring_stop(serving, call, active, exits)
+                    stream, first = await _open_deferring_stop(serving, call, active)
                     have_first = True
                 else:
                     lifecycle.fire("submit")
-                    batches = await exits.enter_async_context(
-                        serving.client.generate(call.request, metadata=call.metadata)
-                    )
-                    stream = aiter(batches)
-                final: list[dict[str, Any]] = []
+                    stream = await active.open_stream(serving.client, call)
                 while True:
                     # After the terminal event the engine closes the stream at once; wait briefly for that close so
                     # an event after the terminal still fails the request instead of following a success.
@@ -253,8 +274,13 @@ class RequestServer:
                     if lifecycle.state in ("submitted", "decoding"):
                         lifecycle.fire("first_token")
                     if chunks:
+                        self.progress += 1
                         stats.chunks(chunks)
                         yield chunks
+            except BaseException as exc:
+                await active.close_stream(exc)
+                raise
+            await active.close_stream(None)
             # The stream ended on its own: the engine no longer holds the request.
             engine_holds_request = False
             mapper.end_of_stream()
@@ -315,7 +341,7 @@ class RequestServer:
 
 
 async def _open_deferring_stop(
-    serving: ServingContext, call: GenerateCall, active: ActiveRequest, exits: AsyncExitStack
+    serving: ServingContext, call: GenerateCall, active: ActiveRequest
 ) -> tuple[AsyncIterator[_Batch], _Batch | None]:
     """Open a decode leg's stream and wait for its first batch (None: the stream ended) with a client stop deferred.
 
@@ -345,8 +371,7 @@ async def _open_deferring_stop(
         watcher.start_soon(watch_client)
         with trio.CancelScope(shield=True):
             try:
-                batches = await exits.enter_async_context(serving.client.generate(call.request, metadata=call.metadata))
-                stream = aiter(batches)
+                stream = await active.open_stream(serving.client, call)
                 opened = (stream, await active.next_batch(stream, serving.inactivity_timeout_s))
             except BaseException as exc:  # re-raised below, outside the nursery (no ExceptionGroup wrapping)
                 error = exc

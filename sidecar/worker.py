@@ -255,12 +255,18 @@ class Worker:
             with trio.move_on_after(config.health_poll_interval_s):
                 await self.requests.engine_trouble.wait()
             self.requests.engine_trouble = trio.Event()
+            progress = self.requests.progress
             try:
                 response = await client.health(timeout_s=config.health_timeout_s)
             except EngineRpcError as exc:
                 if exc.code not in _ENGINE_GONE_CODES:
                     failures += 1
                     await self._maybe_degrade(dynamo, failures, f"Health failed: {exc}")
+                    continue
+                if exc.code is GrpcCode.DEADLINE_EXCEEDED and self.requests.progress != progress:
+                    # Tokens arrived while Health waited: the engine is busy, not gone. Calling it lost would fail
+                    # every in-flight request for nothing (seen at ~1,000 in flight).
+                    log.warning("engine health timed out while its streams deliver tokens: busy, not lost")
                     continue
                 failures += 1
                 if failures < config.health_failure_threshold:

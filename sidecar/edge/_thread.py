@@ -18,14 +18,12 @@ import uvloop
 
 from ._errors import EdgeClosed, EdgeError
 from ._link import Link, logger, to_trio
-from ._to_asyncio import AsyncioCall, open_batch_stream
+from ._to_asyncio import AsyncioCall, BatchStream
 from ._to_trio import start_trio_call, start_trio_stream
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-    from contextlib import AbstractAsyncContextManager
 
-    from ._to_asyncio import BatchStream
     from ._to_trio import AsyncioBatchStream
 
 __all__ = ["Edge", "open_edge"]
@@ -91,21 +89,20 @@ class Edge:
         link = self._require_open()
         return await AsyncioCall(link, lambda: fn(*args)).result()
 
-    def open_stream(
-        self, fn: Callable[[*Ts], AsyncIterator[T]], *args: *Ts, high_water: int = 1024
-    ) -> AbstractAsyncContextManager[BatchStream[T]]:
+    def open_stream(self, fn: Callable[[*Ts], AsyncIterator[T]], *args: *Ts, high_water: int = 1024) -> BatchStream[T]:
         """Consume the asyncio async iterator ``fn(*args)`` from trio, as batches (trio → asyncio).
 
         ``async with edge.open_stream(stub_call, request) as batches: async for batch in batches: ...``
 
         A pump task on the edge loop iterates ``fn(*args)`` and posts everything it received in one loop iteration as
-        one non-empty ``list`` (at most 1024 items). It pauses while ``high_water`` items are delivered but not yet
-        taken by the trio consumer. An exception from the iterator is raised in trio after every item received before
-        it. Leaving the block (normally, by ``break``, an exception or cancellation) stops the pump between two items,
-        cancels it and ``aclose()``-s the iterator (for grpclib: RST_STREAM), then waits at most 1 s for that.
+        one non-empty ``list``; what arrives before the consumer takes it is merged into one batch (at most 1024
+        items). It pauses while ``high_water`` items are delivered but not yet taken by the trio consumer. An
+        exception from the iterator is raised in trio after every item received before it. Leaving the block
+        (normally, by ``break``, an exception or cancellation) stops the pump between two items, cancels it and
+        ``aclose()``-s the iterator (for grpclib: RST_STREAM), then waits at most 1 s for that.
         """
         link = self._require_open()
-        return open_batch_stream(link, lambda: fn(*args), high_water)
+        return BatchStream(link, fn, args, high_water)
 
     def trio_stream(
         self, nursery: trio.Nursery, fn: Callable[[*Ts], AsyncIterator[T]], *args: *Ts, high_water: int = 1024
@@ -119,7 +116,7 @@ class Edge:
         makes the iterator raise :class:`EdgeClosed`.
         """
         link = self._require_loop_thread("trio_stream")
-        return start_trio_stream(link, nursery, lambda: fn(*args), high_water, f"trio_stream:{_name_of(fn)}")
+        return start_trio_stream(link, nursery, fn, args, high_water, f"trio_stream:{_name_of(fn)}")
 
     async def trio_call(self, nursery: trio.Nursery, fn: Callable[[*Ts], Awaitable[T]], *args: *Ts) -> T:
         """Run ``fn(*args)`` as a trio task in ``nursery`` and return its result (asyncio → trio). Await it **on the

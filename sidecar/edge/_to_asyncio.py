@@ -8,8 +8,6 @@ trio and read by the pump between two items (see :class:`_Pump`).
 from __future__ import annotations
 
 import asyncio
-from collections import deque
-from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Final, Generic, TypeVar
 
 import outcome
@@ -19,11 +17,11 @@ from ._errors import EdgeClosed
 from ._link import EXIT_GRACE, MAX_BATCH, aclose_iterator, logger
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+    from collections.abc import AsyncIterator, Awaitable, Callable
 
     from ._link import Link
 
-__all__ = ["AsyncioCall", "BatchStream", "open_batch_stream"]
+__all__ = ["AsyncioCall", "BatchStream"]
 
 T = TypeVar("T")
 
@@ -90,26 +88,51 @@ class AsyncioCall(Generic[T]):
 
 
 class BatchStream(Generic[T]):
-    """What ``Edge.open_stream`` yields: a trio async iterator of non-empty ``list[T]`` batches.
+    """What ``Edge.open_stream`` returns: an async context manager, and a trio async iterator of non-empty
+    ``list[T]`` batches.
 
-    A batch is everything the asyncio side received in one loop iteration (at most 1024 items), so handle a batch at
-    a time (one yield, one metrics update per batch). After the last batch, an exception from the asyncio iterator is
-    raised here, the same object. One consumer task at a time (:class:`trio.BusyResourceError` otherwise).
+    A batch is everything the asyncio side received since the consumer last took one (the pump posts what it read in
+    one loop iteration; posts that arrive before the consumer comes back are merged, up to 1024 items), so handle a
+    batch at a time (one yield, one metrics update per batch). After the last batch, an exception from the asyncio
+    iterator is raised here, the same object. One consumer task at a time (:class:`trio.BusyResourceError`
+    otherwise).
+
+    Entering it starts the pump; leaving it stops the pump between two items, cancels it and ``aclose()``-s the
+    iterator (for grpclib: RST_STREAM), then waits at most 1 s for that.
     """
 
-    __slots__ = ("_batches", "_busy", "_closed", "_ended", "_error", "_link", "_pump", "_pump_done", "_wakeup")
+    __slots__ = ("_batches", "_busy", "_closed", "_done_event", "_ended", "_error", "_link", "_pump",
+                 "_pump_finished", "_waiter", "taken")  # fmt: skip
 
-    def __init__(self, link: Link, fn: Callable[[], AsyncIterator[T]], high_water: int) -> None:
+    def __init__(
+        self, link: Link, fn: Callable[..., AsyncIterator[T]], args: tuple[object, ...], high_water: int
+    ) -> None:
+        if high_water < 1:
+            raise ValueError(f"high_water must be at least 1, not {high_water}")
         self._link: Final = link
-        self._pump: Final = _Pump(link, self, fn, high_water)
-        # trio
-        self._batches: Final[deque[list[T]]] = deque()
+        self._pump: Final = _Pump(link, self, fn, args, high_water)
+        # trio. A list, not a deque: it rarely holds more than one batch (posts merge), and an empty deque is 760 bytes
+        # per stream against a list's 56.
+        self._batches: Final[list[list[T]]] = []
         self._error: BaseException | None = None
         self._ended = False
         self._closed = False
         self._busy = False
-        self._wakeup: trio.Event | None = None
-        self._pump_done: Final = trio.Event()
+        # The consumer parked in __anext__ (trio's low-level parking: no Event allocated per wait).
+        self._waiter: trio.lowlevel.Task | None = None
+        self._pump_finished = False
+        self._done_event: trio.Event | None = None  # only while leaving waits for the pump
+        # Items handed to the consumer so far. Written by trio only, read by the pump (see _Pump: backpressure).
+        self.taken = 0
+
+    async def __aenter__(self) -> BatchStream[T]:
+        await trio.lowlevel.checkpoint()
+        if not self._link.to_loop(self._pump.start):
+            raise EdgeClosed("the edge loop is closed")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._aclose()
 
     def __aiter__(self) -> BatchStream[T]:
         return self
@@ -132,22 +155,31 @@ class BatchStream(Generic[T]):
                         del error
                 if self._ended or self._closed:
                     raise StopAsyncIteration
-                self._wakeup = trio.Event()
-                await self._wakeup.wait()
-            batch = self._batches.popleft()
+                self._waiter = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
+            batch = self._batches.pop(0)
         finally:
             self._busy = False
-        self._link.to_loop(self._pump.ack, len(batch))
+        self.taken += len(batch)
+        if self._pump.wants_credit:  # read after writing `taken`: see _Pump._wait_for_credit
+            self._link.to_loop(self._pump.credit)
         return batch
+
+    def _abort_wait(self, _: object) -> trio.lowlevel.Abort:
+        self._waiter = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
     async def _aclose(self) -> None:
         # Stop first and tidy up afterwards: the pump may be running flat out, and every item it reads meanwhile is
         # latency (freeing a large backlog here takes milliseconds, with the GIL held).
         self._pump.stop = True
         self._closed = True
-        if self._link.to_loop(self._pump.cancel):
+        # A pump that already reported its end has nothing left to cancel (the common case: the stream ran out).
+        if not self._pump_finished and self._link.to_loop(self._pump.cancel):
             with trio.CancelScope(shield=True), trio.move_on_after(EXIT_GRACE) as bound:
-                await self._pump_done.wait()
+                while not self._pump_finished:
+                    self._done_event = trio.Event()
+                    await self._done_event.wait()
             if bound.cancelled_caught:
                 logger.warning("edge: an asyncio stream did not finish within %.1f s of being cancelled", EXIT_GRACE)
         self._batches.clear()
@@ -155,12 +187,17 @@ class BatchStream(Generic[T]):
     # trio thread, posted by the pump
 
     def _wake(self) -> None:
-        if self._wakeup is not None:
-            self._wakeup.set()
+        if (task := self._waiter) is not None:
+            self._waiter = None
+            trio.lowlevel.reschedule(task)
 
     def _deliver(self, batch: list[T]) -> None:
         if not self._closed:
-            self._batches.append(batch)
+            batches = self._batches
+            if batches and len(batches[-1]) + len(batch) <= MAX_BATCH:
+                batches[-1].extend(batch)  # the consumer has not come back yet: one batch for it, not two
+            else:
+                batches.append(batch)
             self._wake()
 
     def _fail(self, error: BaseException) -> None:
@@ -174,7 +211,9 @@ class BatchStream(Generic[T]):
 
     def _finished(self) -> None:
         self._ended = True  # a pump that died without reporting must not leave the consumer parked forever
-        self._pump_done.set()
+        self._pump_finished = True
+        if self._done_event is not None:
+            self._done_event.set()
         self._wake()
 
 
@@ -186,17 +225,27 @@ class _Pump(Generic[T]):
     as one batch. A full batch is flushed at once and followed by ``asyncio.sleep(0)``, so the pump suspends at
     least once per batch either way.
 
-    Backpressure: items posted but not yet taken by the trio consumer are "unacked"; at ``high_water`` the pump waits
-    for the consumer's acks (``ack``) before reading on.
+    Backpressure: items posted but not yet taken by the trio consumer (``_posted - sink.taken``, two counters with one
+    writer each) may not reach ``high_water``; there the pump waits until the consumer takes some. Only a waiting pump
+    asks to be woken (``wants_credit``), so a consumer that keeps up sends nothing back across the threads.
     """
 
-    __slots__ = ("_batch", "_closing", "_credit", "_fn", "_high_water", "_link", "_max_batch", "_sink", "_task",
-                 "_unacked", "stop")  # fmt: skip
+    __slots__ = ("_args", "_batch", "_closing", "_credit", "_fn", "_high_water", "_link", "_max_batch", "_posted",
+                 "_sink", "_task", "stop", "wants_credit")  # fmt: skip
 
-    def __init__(self, link: Link, sink: BatchStream[T], fn: Callable[[], AsyncIterator[T]], high_water: int) -> None:
+    def __init__(
+        self,
+        link: Link,
+        sink: BatchStream[T],
+        fn: Callable[..., AsyncIterator[T]],
+        args: tuple[object, ...],
+        high_water: int,
+    ) -> None:
         self._link: Final = link
         self._sink: Final = sink
+        # fn and its arguments rather than a closure over them: one object less per stream.
         self._fn: Final = fn
+        self._args: Final = args
         self._high_water: Final = high_water
         self._max_batch: Final = min(high_water, MAX_BATCH)
         # Written by trio, read between items: task.cancel() only lands when the pump suspends, and a producer that
@@ -204,17 +253,18 @@ class _Pump(Generic[T]):
         self.stop = False
         # loop
         self._task: asyncio.Task[None] | None = None
-        self._credit: asyncio.Event | None = None
+        self._credit: asyncio.Future[None] | None = None  # only while waiting (no Event per stream)
         self._batch: list[T] = []
-        self._unacked = 0
+        self._posted = 0  # items posted to trio so far
         self._closing = False
+        # Written by the pump, read by trio: the pump waits for the consumer to take items.
+        self.wants_credit = False
 
     def start(self) -> None:
         """Loop callback: start pumping, unless trio already left."""
         if self.stop:
             self._link.to_trio(self._sink._finished)
             return
-        self._credit = asyncio.Event()
         self._task = self._link.loop.create_task(self._run(), name="sidecar.edge pump")
         self._task.add_done_callback(self._finished)
 
@@ -224,43 +274,54 @@ class _Pump(Generic[T]):
         if self._task is not None and not self._closing:
             self._task.cancel(msg="the trio consumer left the stream")
 
-    def ack(self, count: int) -> None:
-        """Loop callback: trio took ``count`` items."""
-        self._unacked -= count
-        if self._credit is not None:
-            self._credit.set()
+    def credit(self) -> None:
+        """Loop callback: trio took items while the pump was waiting for room."""
+        if (credit := self._credit) is not None and not credit.done():
+            credit.set_result(None)
 
     def _flush(self) -> None:
         if self._batch:
             batch, self._batch = self._batch, []
-            self._unacked += len(batch)
+            self._posted += len(batch)
             if not self._link.to_trio(self._sink._deliver, batch):
                 self.stop = True
 
     async def _run(self) -> None:
-        assert self._credit is not None
-        credit = self._credit
-        iterator = self._fn()
+        loop = self._link.loop
+        iterator = self._fn(*self._args)
         try:
             while not self.stop:
-                if len(self._batch) >= self._max_batch or self._unacked + len(self._batch) >= self._high_water:
+                pending = len(self._batch)
+                if pending >= self._max_batch or self._posted - self._sink.taken + pending >= self._high_water:
                     self._flush()
                     await asyncio.sleep(0)
-                    while self._unacked >= self._high_water and not self.stop:
-                        credit.clear()
-                        await credit.wait()
+                    while self._posted - self._sink.taken >= self._high_water and not self.stop:
+                        await self._wait_for_credit(loop)
                     continue
                 try:
                     item = await iterator.__anext__()
                 except StopAsyncIteration:
                     return
                 if not self._batch:
-                    self._link.loop.call_soon(self._flush)
+                    loop.call_soon(self._flush)
                 self._batch.append(item)
         finally:
             self._closing = True
             # An async generator's finally (grpclib: Stream.__aexit__ -> RST_STREAM) runs only when it is closed.
             await aclose_iterator(iterator)
+
+    async def _wait_for_credit(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._credit = credit = loop.create_future()
+        self.wants_credit = True
+        try:
+            # A second look after raising the flag: a consumer that took items before it saw the flag shows up in
+            # `taken` now; one that takes items after this look sees the flag and posts `credit` (under the GIL one
+            # of the two always sees the other's write).
+            if self._posted - self._sink.taken >= self._high_water and not self.stop:
+                await credit
+        finally:
+            self.wants_credit = False
+            self._credit = None
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         # A done callback rather than a finally: a task cancelled before its first step never runs its body.
@@ -276,20 +337,3 @@ class _Pump(Generic[T]):
             else:
                 self._link.to_trio(self._sink._end)
         self._link.to_trio(self._sink._finished)
-
-
-@asynccontextmanager
-async def open_batch_stream(
-    link: Link, fn: Callable[[], AsyncIterator[T]], high_water: int
-) -> AsyncGenerator[BatchStream[T], None]:
-    """Pump ``fn()`` on the edge loop into a :class:`BatchStream`; leaving the block cancels the pump (bounded wait)."""
-    if high_water < 1:
-        raise ValueError(f"high_water must be at least 1, not {high_water}")
-    stream = BatchStream(link, fn, high_water)
-    await trio.lowlevel.checkpoint()
-    if not link.to_loop(stream._pump.start):
-        raise EdgeClosed("the edge loop is closed")
-    try:
-        yield stream
-    finally:
-        await stream._aclose()

@@ -8,7 +8,6 @@ loop thread.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from typing import TYPE_CHECKING, Final, Generic, TypeVar
 
 import outcome
@@ -34,7 +33,8 @@ def _closed_nursery(name: str, exc: RuntimeError) -> EdgeClosed:
 
 
 class AsyncioBatchStream(Generic[T]):
-    """What ``Edge.trio_stream`` returns: an asyncio async iterator of non-empty ``list[T]`` batches from a trio task.
+    """What ``Edge.trio_stream`` returns: an asyncio async iterator of non-empty ``list[T]`` batches from a trio task
+    (what arrived since the consumer last took a batch, merged, at most 1024 items).
 
     Use it on the edge loop thread only, and close it (``async with contextlib.aclosing(...)``): ``aclose()``, or
     cancellation of the asyncio task waiting in ``__anext__``, cancels the trio task's scope with a reason. After the
@@ -43,19 +43,23 @@ class AsyncioBatchStream(Generic[T]):
     :class:`EdgeClosed`.
     """
 
-    __slots__ = ("_batches", "_closed", "_ended", "_error", "_link", "_pump", "_stop_sent", "_trio_done", "_waiter")
+    __slots__ = ("_batches", "_closed", "_ended", "_error", "_link", "_pump", "_stop_sent", "_trio_done",
+                 "_trio_finished", "_waiter", "taken")  # fmt: skip
 
     def __init__(self, link: Link) -> None:
         self._link: Final = link
         self._pump: _TrioPump[T] | None = None  # set once, right after construction
-        # loop
-        self._batches: Final[deque[list[T]]] = deque()
+        # loop. A list, not a deque (an empty deque is 760 bytes per stream): posts merge, so it rarely holds two.
+        self._batches: Final[list[list[T]]] = []
         self._error: BaseException | None = None
         self._ended = False
         self._closed = False
         self._stop_sent = False
         self._waiter: asyncio.Future[None] | None = None
-        self._trio_done: Final[asyncio.Future[None]] = link.loop.create_future()
+        self._trio_finished = False
+        self._trio_done: asyncio.Future[None] | None = None  # only while aclose() waits for the trio task
+        # Items handed to the consumer so far. Written on the loop only, read by the trio pump (backpressure).
+        self.taken = 0
 
     def __aiter__(self) -> AsyncioBatchStream[T]:
         return self
@@ -80,9 +84,10 @@ class AsyncioBatchStream(Generic[T]):
                 raise
             finally:
                 self._waiter = None
-        batch = self._batches.popleft()
-        if self._pump is not None:
-            self._link.to_trio(self._pump.ack, len(batch))
+        batch = self._batches.pop(0)
+        self.taken += len(batch)
+        if self._pump is not None and self._pump.wants_credit:  # read after writing `taken` (see _TrioPump)
+            self._link.to_trio(self._pump.credit)
         return batch
 
     async def aclose(self) -> None:
@@ -91,11 +96,12 @@ class AsyncioBatchStream(Generic[T]):
             self._closed = True
             self._batches.clear()
             self._stop("the asyncio consumer closed the stream")
-        if not self._trio_done.done():
+        if not self._trio_finished:
+            self._trio_done = self._link.loop.create_future()
             await asyncio.wait({self._trio_done}, timeout=EXIT_GRACE)
 
     def _stop(self, reason: str) -> None:
-        if not self._stop_sent and not self._trio_done.done() and self._pump is not None:
+        if not self._stop_sent and not self._trio_finished and self._pump is not None:
             self._stop_sent = True
             self._link.to_trio(self._pump.cancel, reason)
 
@@ -107,7 +113,11 @@ class AsyncioBatchStream(Generic[T]):
 
     def _deliver(self, batch: list[T]) -> None:
         if not self._closed:
-            self._batches.append(batch)
+            batches = self._batches
+            if batches and len(batches[-1]) + len(batch) <= MAX_BATCH:
+                batches[-1].extend(batch)  # the consumer has not come back yet: one batch for it, not two
+            else:
+                batches.append(batch)
             self._wake()
 
     def _fail(self, error: BaseException) -> None:
@@ -121,7 +131,8 @@ class AsyncioBatchStream(Generic[T]):
 
     def _finished(self) -> None:
         self._ended = True  # a trio task that died without reporting must not leave the consumer parked forever
-        if not self._trio_done.done():
+        self._trio_finished = True
+        if self._trio_done is not None and not self._trio_done.done():
             self._trio_done.set_result(None)
         self._wake()
 
@@ -131,18 +142,27 @@ class _TrioPump(Generic[T]):
 
     Same rules as the asyncio pump, reversed: the first item of a batch schedules a flush through the trio token
     (it runs only once this task yields), a full batch is flushed at once followed by a checkpoint, and at
-    ``high_water`` unacked items the task waits for the asyncio consumer's acks.
+    ``high_water`` items posted but not taken (``_posted - sink.taken``) the task waits for the asyncio consumer to
+    take some; only a waiting pump asks to be woken (``wants_credit``).
     """
 
-    __slots__ = ("_batch", "_credit", "_fn", "_high_water", "_link", "_max_batch", "_name", "_scope", "_sink",
-                 "_unacked")  # fmt: skip
+    __slots__ = ("_args", "_batch", "_credit", "_fn", "_high_water", "_link", "_max_batch", "_name", "_posted",
+                 "_scope", "_sink", "wants_credit")  # fmt: skip
 
     def __init__(
-        self, link: Link, sink: AsyncioBatchStream[T], fn: Callable[[], AsyncIterator[T]], high_water: int, name: str
+        self,
+        link: Link,
+        sink: AsyncioBatchStream[T],
+        fn: Callable[..., AsyncIterator[T]],
+        args: tuple[object, ...],
+        high_water: int,
+        name: str,
     ) -> None:
         self._link: Final = link
         self._sink: Final = sink
+        # fn and its arguments rather than a closure over them: one object less per stream.
         self._fn: Final = fn
+        self._args: Final = args
         self._high_water: Final = high_water
         self._max_batch: Final = min(high_water, MAX_BATCH)
         self._name: Final = name
@@ -150,7 +170,9 @@ class _TrioPump(Generic[T]):
         self._scope: trio.CancelScope | None = None
         self._credit: trio.Event | None = None
         self._batch: list[T] = []
-        self._unacked = 0
+        self._posted = 0  # items posted to the loop so far
+        # Written by this pump, read on the loop: the pump waits for the consumer to take items.
+        self.wants_credit = False
 
     def spawn(self, nursery: trio.Nursery) -> None:
         """trio callback: start the task in ``nursery``, or tell the consumer why not."""
@@ -168,16 +190,15 @@ class _TrioPump(Generic[T]):
         if self._scope is not None:
             self._scope.cancel(reason=reason)
 
-    def ack(self, count: int) -> None:
-        """trio callback: the consumer took ``count`` items."""
-        self._unacked -= count
+    def credit(self) -> None:
+        """trio callback: the consumer took items while the pump was waiting for room."""
         if self._credit is not None:
             self._credit.set()
 
     def _flush(self) -> None:
         if self._batch:
             batch, self._batch = self._batch, []
-            self._unacked += len(batch)
+            self._posted += len(batch)
             if not self._link.to_loop(self._sink._deliver, batch) and self._scope is not None:
                 self._scope.cancel(reason="the edge loop is closed")
 
@@ -202,16 +223,27 @@ class _TrioPump(Generic[T]):
         finally:
             self._link.to_loop(self._sink._finished)
 
+    async def _wait_for_credit(self) -> None:
+        self._credit = credit = trio.Event()
+        self.wants_credit = True
+        try:
+            # A second look after raising the flag (see _Pump._wait_for_credit in _to_asyncio).
+            if self._posted - self._sink.taken >= self._high_water:
+                await credit.wait()
+        finally:
+            self.wants_credit = False
+            self._credit = None
+
     async def _pump(self) -> None:
-        iterator = self._fn()
+        iterator = self._fn(*self._args)
         try:
             while True:
-                if len(self._batch) >= self._max_batch or self._unacked + len(self._batch) >= self._high_water:
+                pending = len(self._batch)
+                if pending >= self._max_batch or self._posted - self._sink.taken + pending >= self._high_water:
                     self._flush()
                     await trio.lowlevel.checkpoint()
-                    while self._unacked >= self._high_water:
-                        self._credit = trio.Event()
-                        await self._credit.wait()
+                    while self._posted - self._sink.taken >= self._high_water:
+                        await self._wait_for_credit()
                     continue
                 try:
                     item = await iterator.__anext__()
@@ -225,13 +257,18 @@ class _TrioPump(Generic[T]):
 
 
 def start_trio_stream(
-    link: Link, nursery: trio.Nursery, fn: Callable[[], AsyncIterator[T]], high_water: int, name: str
+    link: Link,
+    nursery: trio.Nursery,
+    fn: Callable[..., AsyncIterator[T]],
+    args: tuple[object, ...],
+    high_water: int,
+    name: str,
 ) -> AsyncioBatchStream[T]:
-    """Loop thread: start ``fn()`` as a trio task in ``nursery`` and return the asyncio side of its stream."""
+    """Loop thread: start ``fn(*args)`` as a trio task in ``nursery`` and return the asyncio side of its stream."""
     if high_water < 1:
         raise ValueError(f"high_water must be at least 1, not {high_water}")
     stream: AsyncioBatchStream[T] = AsyncioBatchStream(link)
-    stream._pump = pump = _TrioPump(link, stream, fn, high_water, name)
+    stream._pump = pump = _TrioPump(link, stream, fn, args, high_water, name)
     if not link.to_trio(pump.spawn, nursery):
         stream._fail(EdgeClosed(f"cannot start {name}: the trio run has finished"))
         stream._finished()

@@ -15,7 +15,10 @@ Rules kept here, each learnt the hard way (``grpc-stack.md``):
 * every unary RPC carries a deadline (sent as ``grpc-timeout``), plus a slightly later trio backstop in case the
   edge loop itself is wedged;
 * HTTP/2 windows are bounded, because grpclib's ``recv_message`` does not yield while data is buffered;
-* keepalive PINGs no faster than every 10 s (gRPC servers answer faster ones with GOAWAY ``too_many_pings``).
+* keepalive PINGs no faster than every 10 s (gRPC servers answer faster ones with GOAWAY ``too_many_pings``);
+* Control RPCs (and KV-event subscriptions) have a connection of their own, so that ``Health``, ``GetLoad`` and
+  ``Abort`` never wait behind ``Generate`` streams for a stream slot when a connection reaches the engine's
+  ``MAX_CONCURRENT_STREAMS`` (grpclib then parks new streams until one ends); hitting that limit is logged.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import itertools
 import logging
 import math
 import ssl
-from contextlib import AsyncExitStack, asynccontextmanager
+import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
+import hyperframe.frame
 import trio
 from grpclib.client import Channel
 from grpclib.config import Configuration
@@ -66,6 +71,7 @@ from openengine_bp.openengine.v1 import (
 from sidecar.edge import EdgeError
 from sidecar.errors import EngineRpcError, GrpcCode
 
+from . import _grpclib_lean
 from ._compat import CLIENT_REVISION, PINNED_SCHEMA_RELEASE
 from ._metadata import TraceContext, check_metadata
 from ._status import to_engine_rpc_error
@@ -77,9 +83,26 @@ if TYPE_CHECKING:
 
     from ._config import EngineClientConfig
 
-__all__ = ["BatchIterator", "ChannelStats", "EngineClient", "open_engine_client"]
+__all__ = ["HYPERFRAME_REPR", "BatchIterator", "ChannelStats", "EngineClient", "open_engine_client"]
 
 log = logging.getLogger("sidecar.engine")
+
+#: hyperframe's own ``Frame.__repr__``, replaced below (kept for the test that proves the patch is still needed).
+HYPERFRAME_REPR: Final = hyperframe.frame.Frame.__repr__
+
+
+def _cheap_frame_repr(frame: hyperframe.frame.Frame) -> str:
+    return f"{type(frame).__name__}(stream_id={frame.stream_id})"
+
+
+# h2 formats every frame it receives for a trace log that is a no-op unless a logger is configured -- eagerly:
+# ``H2Connection._receive_frame`` calls ``logger.trace("Received frame: %s", repr(frame))``, and hyperframe's repr
+# re-serialises the frame body and hex-dumps it. That is 10-17 % of h2's cost per received ``GenerateResponse``
+# (~1 µs; bench/hotpath.py). Global, but harmless: only debugging output that nobody reads in this process gets shorter.
+# tests/engine/test_frame_repr.py fails once h2 stops doing this, so the patch can be dropped then.
+hyperframe.frame.Frame.__repr__ = _cheap_frame_repr  # type: ignore[method-assign]
+# Lists where each grpclib stream allocated eight deques (~5.5 KiB less per stream; see _grpclib_lean.py).
+_grpclib_lean.install()
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -95,6 +118,8 @@ _CLOSE_GRACE_S: Final = 5.0
 _PROBE_TIMEOUT_S: Final = 35.0
 # wait_connected logs a repeated failure at most this often (and whenever the error text changes).
 _LOG_EVERY_S: Final = 30.0
+# A connection at the engine's MAX_CONCURRENT_STREAMS is logged at most this often.
+_STREAM_LIMIT_LOG_EVERY_S: Final = 60.0
 # Statuses that mean "not reachable yet": wait_connected keeps trying on these and fails fast on anything else
 # (an engine that answers UNIMPLEMENTED to GetServerInfo will not change its mind within the startup deadline).
 _RETRY_CODES: Final = frozenset(
@@ -104,7 +129,7 @@ _RETRY_CODES: Final = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class ChannelStats:
-    """Counters of one pooled connection (grpclib's own), for tests and metrics."""
+    """Counters of one pooled ``Generate`` connection (grpclib's own), for tests and metrics."""
 
     index: int
     connected: bool
@@ -114,10 +139,11 @@ class ChannelStats:
 
 
 class BatchIterator(Generic[_T]):
-    """The batches of one server stream: a trio async iterator of non-empty lists of messages.
+    """The batches of one server stream: an async context manager (entering it opens the stream, leaving it ends or
+    cancels it), and a trio async iterator of non-empty lists of messages.
 
-    Each batch is everything the edge loop received in one iteration (at most 1024 messages): handle a batch at a
-    time. After the last batch, a failure is raised as :class:`~sidecar.errors.EngineRpcError`.
+    Each batch is what the edge loop received since the last one was taken (at most 1024 messages): handle a batch at
+    a time. After the last batch, a failure is raised as :class:`~sidecar.errors.EngineRpcError`.
     """
 
     __slots__ = ("_batches", "_rpc")
@@ -125,6 +151,16 @@ class BatchIterator(Generic[_T]):
     def __init__(self, rpc: str, batches: BatchStream[_T]) -> None:
         self._rpc = rpc
         self._batches = batches
+
+    async def __aenter__(self) -> BatchIterator[_T]:
+        try:
+            await self._batches.__aenter__()
+        except EdgeError as exc:
+            raise EngineRpcError(self._rpc, GrpcCode.UNAVAILABLE, f"the edge loop is gone: {exc}") from exc
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._batches.__aexit__(*exc_info)
 
     def __aiter__(self) -> BatchIterator[_T]:
         return self
@@ -166,11 +202,12 @@ class EngineClient:
     and ``timeout_s`` (defaults to ``config.rpc_timeout_s``).
     """
 
-    def __init__(self, edge: Edge, config: EngineClientConfig, channels: list[Channel]) -> None:
+    def __init__(self, edge: Edge, config: EngineClientConfig, channels: list[Channel], control: Channel) -> None:
         self._edge = edge
         self._config = config
-        self._channels = channels
-        self._control = ControlStub(channels[0])
+        self._channels = channels  # Generate, round-robin
+        self._control_channel = control  # every unary RPC and SubscribeKvEvents
+        self._control = ControlStub(control)
         self._next_index = itertools.cycle(range(len(channels))).__next__
         self._closed = False
 
@@ -187,7 +224,8 @@ class EngineClient:
     # ------------------------------------------------------------------ connection
 
     async def wait_connected(self, deadline: float | None = None) -> ServerInfo:
-        """Retry ``GetServerInfo`` until the engine answers on every pooled connection; return its ``ServerInfo``.
+        """Retry ``GetServerInfo`` until the engine answers on every connection (Control's and each of the
+        ``Generate`` pool); return its ``ServerInfo``.
 
         :param deadline: absolute ``trio.current_time()``; default now + ``config.startup_deadline_s``.
 
@@ -238,7 +276,7 @@ class EngineClient:
         )
 
     async def _probe_pool(self, attempt_s: float) -> ServerInfo:
-        # Channel 0 first (it carries Control), then the rest in parallel, so every connection is up before traffic
+        # The Control connection first, then the Generate pool in parallel, so every connection is up before traffic
         # and a refused pool slot is seen at startup rather than on the first request routed to it.
         info = await self._unary(
             "GetServerInfo", self._control.get_server_info, GetServerInfoRequest(), None, attempt_s
@@ -247,20 +285,23 @@ class EngineClient:
 
         async def probe(index: int) -> None:
             try:
-                stub = ControlStub(self._channels[index])
-                await self._unary("GetServerInfo", stub.get_server_info, GetServerInfoRequest(), None, attempt_s)
+                channel = self._channels[index]
+                stub = ControlStub(channel)
+                await self._unary(
+                    "GetServerInfo", stub.get_server_info, GetServerInfoRequest(), None, attempt_s, channel
+                )
             except EngineRpcError as exc:
                 errors.append(exc)
 
         async with trio.open_nursery() as nursery:
-            for index in range(1, len(self._channels)):
+            for index in range(len(self._channels)):
                 nursery.start_soon(probe, index)
         if errors:
             raise errors[0]
         return info
 
     async def channel_stats(self) -> list[ChannelStats]:
-        """Per-connection call counters (read on the edge loop, where grpclib updates them)."""
+        """Call counters of each ``Generate`` connection (read on the edge loop, where grpclib updates them)."""
         return await self._edge.run(_aio_channel_stats, self._channels)
 
     async def aclose(self) -> None:
@@ -271,7 +312,7 @@ class EngineClient:
         self._closed = True
         with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_GRACE_S) as scope:
             try:
-                await self._edge.run(_aio_close_channels, self._channels)
+                await self._edge.run(_aio_close_channels, [self._control_channel, *self._channels])
             except EdgeError:
                 # The loop is already gone, and its transports with it: nothing left to close.
                 log.debug("edge loop already closed; OpenEngine connections went with it")
@@ -280,16 +321,16 @@ class EngineClient:
 
     # ------------------------------------------------------------------ Inference
 
-    @asynccontextmanager
-    async def generate(
+    def generate(
         self,
         request: generation_pb2.GenerateRequest,
         *,
         metadata: Sequence[tuple[str, str]] = (),
         trace: TraceContext | None = None,
         timeout_s: float | None = None,
-    ) -> AsyncIterator[BatchIterator[generation_pb2.GenerateResponse]]:
-        """Open a ``Generate`` stream; yield an async iterator of non-empty batches of upb ``GenerateResponse``.
+    ) -> BatchIterator[generation_pb2.GenerateResponse]:
+        """A ``Generate`` stream: ``async with client.generate(request) as batches: async for batch in batches: ...``
+        yields non-empty batches of upb ``GenerateResponse``.
 
         :param metadata: request metadata pairs, e.g. ``RequestMetadata(...).pairs()``; checked locally
             (:class:`~sidecar.engine.MetadataError`) before any RPC.
@@ -305,7 +346,7 @@ class EngineClient:
             pairs.extend(trace.pairs())
         check_metadata(pairs)
         channel = self._pick_channel("Generate")
-        async with self._server_stream(
+        return self._server_stream(
             "Generate",
             channel,
             GENERATE_PATH,
@@ -314,8 +355,7 @@ class EngineClient:
             generation_pb2.GenerateResponse,
             pairs,
             timeout_s,
-        ) as batches:
-            yield batches
+        )
 
     # ------------------------------------------------------------------ Control
 
@@ -433,7 +473,7 @@ class EngineClient:
         self._check_open("SubscribeKvEvents")
         async with self._server_stream(
             "SubscribeKvEvents",
-            self._channels[0],
+            self._control_channel,
             SUBSCRIBE_KV_EVENTS_PATH,
             request,
             SubscribeKvEventsRequest,
@@ -454,8 +494,7 @@ class EngineClient:
         self._check_open(rpc)
         return self._channels[self._next_index()]
 
-    @asynccontextmanager
-    async def _server_stream(
+    def _server_stream(
         self,
         rpc: str,
         channel: Channel,
@@ -465,25 +504,16 @@ class EngineClient:
         response_type: type[_T],
         metadata: list[tuple[str, str]],
         timeout_s: float | None,
-    ) -> AsyncIterator[BatchIterator[_T]]:
-        async with AsyncExitStack() as stack:
-            try:
-                batches = await stack.enter_async_context(
-                    self._edge.open_stream(
-                        _aio_server_stream,
-                        rpc,
-                        channel,
-                        path,
-                        request,
-                        request_type,
-                        response_type,
-                        metadata,
-                        timeout_s,
-                    )
-                )
-            except EdgeError as exc:
-                raise EngineRpcError(rpc, GrpcCode.UNAVAILABLE, f"the edge loop is gone: {exc}") from exc
-            yield BatchIterator(rpc, batches)
+    ) -> BatchIterator[_T]:
+        # Plain objects rather than generator-based context managers or an exit stack: this runs once per request,
+        # and each of those layers cost ~0.5-1 KiB per request in flight (bench/inflight_memory.py).
+        try:
+            batches = self._edge.open_stream(
+                _aio_server_stream, rpc, channel, path, request, request_type, response_type, metadata, timeout_s
+            )
+        except EdgeError as exc:
+            raise EngineRpcError(rpc, GrpcCode.UNAVAILABLE, f"the edge loop is gone: {exc}") from exc
+        return BatchIterator(rpc, batches)
 
     async def _unary(
         self,
@@ -492,13 +522,17 @@ class EngineClient:
         request: Any,
         trace: TraceContext | None,
         timeout_s: float | None,
+        channel: Channel | None = None,
     ) -> _R:
+        """``method`` (a stub method bound to ``channel``; default: the Control connection's) under a deadline."""
         self._check_open(rpc)
         timeout = self._config.rpc_timeout_s if timeout_s is None else timeout_s
         pairs = trace.pairs() if trace is not None else None
+        if channel is None:
+            channel = self._control_channel
         with trio.move_on_after(timeout + _BACKSTOP_S) as scope:
             try:
-                return await self._edge.run(_aio_unary, rpc, method, request, timeout, pairs)
+                return await self._edge.run(_aio_unary, rpc, method, request, timeout, pairs, channel)
             except EdgeError as exc:
                 # The loop carrying the connections shut down (or cancelled the call) under us: for the caller that
                 # is the engine becoming unreachable.
@@ -514,14 +548,14 @@ async def open_engine_client(edge: Edge, config: EngineClientConfig) -> AsyncIte
     Connections are made lazily by grpclib; call :meth:`EngineClient.wait_connected` to wait for the engine.
     """
     log.info(
-        "OpenEngine client for %s: %d connection(s), schema release %s, client revision %d",
+        "OpenEngine client for %s: %d Generate connection(s) + 1 for Control, schema release %s, client revision %d",
         config.endpoint,
         config.connections,
         PINNED_SCHEMA_RELEASE,
         CLIENT_REVISION,
     )
-    channels = await edge.run(_aio_open_channels, config)
-    client = EngineClient(edge, config, channels)
+    control, *channels = await edge.run(_aio_open_channels, config)
+    client = EngineClient(edge, config, channels, control)
     try:
         yield client
     finally:
@@ -532,6 +566,7 @@ async def open_engine_client(edge: Edge, config: EngineClientConfig) -> AsyncIte
 
 
 async def _aio_open_channels(config: EngineClientConfig) -> list[Channel]:
+    """The Control connection, then ``config.connections`` for ``Generate``."""
     # Channel() binds to the running loop (asyncio.get_event_loop()), hence created here, on the edge thread.
     grpc_config = Configuration(
         _keepalive_time=config.keepalive_interval_s,
@@ -549,7 +584,7 @@ async def _aio_open_channels(config: EngineClientConfig) -> list[Channel]:
     codec = _BoundedProtoCodec(config.max_message_bytes)
     host, port = config.endpoint.host, config.endpoint.port
     context = tls_context(config) if config.endpoint.tls else None
-    return [Channel(host, port, codec=codec, config=grpc_config, ssl=context) for _ in range(config.connections)]
+    return [Channel(host, port, codec=codec, config=grpc_config, ssl=context) for _ in range(config.connections + 1)]
 
 
 def tls_context(config: EngineClientConfig) -> ssl.SSLContext:
@@ -583,13 +618,43 @@ async def _aio_channel_stats(channels: list[Channel]) -> list[ChannelStats]:
     ]
 
 
+_stream_limit_logged_at = -math.inf  # edge loop only
+
+
+def _note_stream_limit(rpc: str, channel: Channel) -> None:
+    """Log (at most once a minute) when ``channel`` is at the engine's MAX_CONCURRENT_STREAMS: the new stream waits."""
+    global _stream_limit_logged_at
+    protocol = channel._protocol
+    if protocol is None:  # not connected yet: the engine's SETTINGS are unknown
+        return
+    try:  # grpclib internals (tested in tests/engine/test_client_fake.py); a log line is not worth a failed call
+        limit: int = protocol.connection._connection.remote_settings.max_concurrent_streams
+        in_use = len(protocol.processor.streams)  # grpclib's open streams on this connection
+    except AttributeError:
+        return
+    if in_use < limit:
+        return
+    now = time.monotonic()
+    if now - _stream_limit_logged_at >= _STREAM_LIMIT_LOG_EVERY_S:
+        _stream_limit_logged_at = now
+        log.warning(
+            "an OpenEngine connection is at the engine's limit of %d concurrent streams (HTTP/2 "
+            "MAX_CONCURRENT_STREAMS): new %s calls on it wait for a stream to end; more connections "
+            "(--grpc-connections) or a higher limit on the engine avoid the wait (logged at most once a minute)",
+            limit,
+            rpc,
+        )
+
+
 async def _aio_unary(
     rpc: str,
     method: Callable[..., Awaitable[_R]],
     request: Any,
     grpc_timeout_s: float,
     metadata: list[tuple[str, str]] | None,
+    channel: Channel,
 ) -> _R:
+    _note_stream_limit(rpc, channel)
     try:
         return await method(request, timeout=grpc_timeout_s, metadata=metadata)
     except Exception as exc:
@@ -609,6 +674,7 @@ async def _aio_server_stream(
     metadata: list[tuple[str, str]],
     grpc_timeout_s: float | None,
 ) -> AsyncIterator[Any]:
+    _note_stream_limit(rpc, channel)
     try:
         async with channel.request(
             path, Cardinality.UNARY_STREAM, request_type, response_type, metadata=metadata, timeout=grpc_timeout_s

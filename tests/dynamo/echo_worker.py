@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +42,10 @@ if TYPE_CHECKING:
 
 
 def say(*parts: object) -> None:
-    print(*parts, flush=True)
+    # One write per line: print(*parts) writes each part separately, and the runtime's Rust log lines (same stdout)
+    # can land in between, splitting a line the test waits for.
+    sys.stdout.write(" ".join(map(str, parts)) + "\n")
+    sys.stdout.flush()
 
 
 def make_error(name: str, tag: str) -> BaseException:

@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Literal
 import pytest
 import trio
 
+from sidecar.edge._link import Link
+
 from ._helpers import TIMEOUT, Boom, wait_until
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
 
     from sidecar.edge import Edge
 
@@ -65,6 +67,41 @@ async def test_a_high_water_of_one_still_delivers_everything(edge: Edge) -> None
                 assert len(batch) == 1
                 items.extend(batch)
     assert items == list(range(100))
+
+
+@pytest.mark.parametrize("high_water", [1, 2, 3])
+async def test_a_flat_out_producer_at_a_tiny_high_water_never_strands(edge: Edge, high_water: int) -> None:
+    """The pump's credit handshake (two one-writer counters and a "wake me" flag) under the most contention: the
+    producer hits the mark on every item while trio takes items as fast as it can."""
+    produced = [0]
+    items: list[int] = []
+    with trio.fail_after(TIMEOUT):
+        async with edge.open_stream(flat_out, produced, high_water=high_water) as stream:
+            async for batch in stream:
+                assert len(batch) <= high_water
+                items.extend(batch)
+                if len(items) >= 3000:
+                    break
+    assert items[:3000] == list(range(1, 3001))
+
+
+async def test_a_consumer_that_keeps_up_sends_nothing_back(edge: Edge) -> None:
+    """Below the high-water mark the pump never waits, so taking a batch posts nothing to the edge loop."""
+    posts: list[str] = []
+    to_loop = Link.to_loop
+
+    def counting(link: Link, fn: Callable[..., object], *args: object) -> bool:
+        posts.append(getattr(fn, "__name__", "?"))
+        return to_loop(link, fn, *args)
+
+    with trio.fail_after(TIMEOUT), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Link, "to_loop", counting)
+        async with edge.open_stream(bursts, 20, 5) as stream:
+            async for _ in stream:
+                pass
+    assert stream.taken == 100
+    assert "start" in posts, "the count sees the stream's posts"
+    assert "credit" not in posts
 
 
 async def test_an_empty_iterator_ends_without_a_batch(edge: Edge) -> None:

@@ -119,6 +119,33 @@ async def test_the_trio_producer_pauses_at_high_water_until_asyncio_takes_a_batc
             await edge.run(stream.aclose)
 
 
+@pytest.mark.parametrize("high_water", [1, 2, 3])
+async def test_a_flat_out_trio_producer_at_a_tiny_high_water_never_strands(edge: Edge, high_water: int) -> None:
+    """The credit handshake reversed: the trio producer hits the mark on every item, asyncio takes flat out."""
+
+    async def counting() -> AsyncIterator[int]:
+        n = 0
+        while True:
+            n += 1
+            yield n
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+
+            async def consume() -> list[int]:
+                items: list[int] = []
+                async with contextlib.aclosing(edge.trio_stream(nursery, counting, high_water=high_water)) as stream:
+                    async for batch in stream:
+                        assert len(batch) <= high_water
+                        items.extend(batch)
+                        if len(items) >= 3000:
+                            break
+                return items
+
+            items = await edge.run(consume)
+    assert items[:3000] == list(range(1, 3001))
+
+
 async def test_aclose_cancels_the_trio_task_with_a_reason(edge: Edge) -> None:
     cancelled: list[trio.Cancelled] = []
     with trio.fail_after(TIMEOUT):

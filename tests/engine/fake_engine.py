@@ -22,6 +22,7 @@ from grpclib.server import Server, Stream
 
 from openengine.v1 import generation_pb2, kv_pb2, lifecycle_pb2, lora_pb2, model_pb2, openengine_grpc, server_pb2
 from sidecar.engine import PINNED_SCHEMA_RELEASE, Endpoint
+from sidecar.testing.mock.server import StreamLimitServer
 
 if TYPE_CHECKING:
     from sidecar.edge import Edge
@@ -139,8 +140,11 @@ class _Control(openengine_grpc.ControlBase):
         raise GRPCError(Status.DATA_LOSS, "fake subscription ends badly")
 
 
-async def _start(recorder: Recorder) -> tuple[Server, int]:
-    server = Server([_Inference(recorder), _Control(recorder)])
+async def _start(recorder: Recorder, max_concurrent_streams: int) -> tuple[Server, int]:
+    # The mock's server class: its HTTP/2 stream limit per connection is ours to set (0 = none, as grpcio).
+    server = StreamLimitServer(
+        [_Inference(recorder), _Control(recorder)], max_concurrent_streams=max_concurrent_streams
+    )
     await server.start("127.0.0.1", 0)
     # uvloop's server is not an asyncio.Server, but has the same `sockets`.
     listener: Any = server._server
@@ -154,10 +158,11 @@ async def _stop(server: Server) -> None:
 
 
 @asynccontextmanager
-async def fake_engine(edge: Edge) -> AsyncIterator[tuple[Endpoint, Recorder]]:
-    """Serve the fake on ``edge``'s loop; yield its endpoint and recorder."""
+async def fake_engine(edge: Edge, *, max_concurrent_streams: int = 0) -> AsyncIterator[tuple[Endpoint, Recorder]]:
+    """Serve the fake on ``edge``'s loop; yield its endpoint and recorder. ``max_concurrent_streams``: the HTTP/2
+    limit per connection (0 = none)."""
     recorder = Recorder()
-    server, port = await edge.run(_start, recorder)
+    server, port = await edge.run(_start, recorder, max_concurrent_streams)
     try:
         yield Endpoint("127.0.0.1", port), recorder
     finally:

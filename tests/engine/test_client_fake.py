@@ -4,6 +4,7 @@ connection carried each call, server-side cancellation latency, deadlines, messa
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any
@@ -15,6 +16,7 @@ from openengine.v1 import generation_pb2
 from openengine_bp.openengine.v1 import KvSessionRef, SubscribeKvEventsRequest
 from sidecar.edge import Edge, open_edge
 from sidecar.engine import Endpoint, EngineClient, EngineClientConfig, RequestMetadata, TraceContext, open_engine_client
+from sidecar.engine import _client as engine_client
 from sidecar.errors import EngineRpcError, GrpcCode
 
 from .conftest import connected_client
@@ -258,3 +260,49 @@ async def test_client_outliving_its_edge_closes_quietly() -> None:
         assert caught.value.code is GrpcCode.UNAVAILABLE
         await manager.__aexit__(None, None, None)
         assert client.closed
+
+
+async def test_control_rpcs_answer_promptly_while_every_generate_slot_is_taken(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two slots per connection, two Generate connections, five hanging streams: four hold every slot and the fifth
+    waits for one (logged). Control RPCs have their own connection, so they do not wait behind them."""
+    monkeypatch.setattr(engine_client, "_stream_limit_logged_at", -math.inf)  # the rate limit is process-wide
+    with trio.fail_after(TEST_BOUND):
+        async with (
+            fake_engine(edge, max_concurrent_streams=2) as (endpoint, seen),
+            connected_client(edge, endpoint, connections=2) as client,
+            trio.open_nursery() as nursery,
+        ):
+            streaming = 0
+
+            async def hang(i: int) -> None:
+                nonlocal streaming
+                async with client.generate(request(f"hang-slot-{i}")) as stream:
+                    async for _ in stream:
+                        streaming += 1
+
+            for i in range(5):
+                nursery.start_soon(hang, i)
+            while streaming < 4:
+                await trio.sleep(0.01)
+            await trio.sleep(0.1)  # the fifth stream has asked for a slot by now
+            assert streaming == 4
+            generate_ports = {call.peer_port for call in seen.calls if call.method == "Generate"}
+            seen.calls.clear()
+            start = time.monotonic()
+            for _ in range(3):
+                await client.health(timeout_s=2.0)
+                await client.get_load(timeout_s=2.0)
+                await client.abort("r", timeout_s=2.0)
+                await client.get_model_info("fake", timeout_s=2.0)
+            elapsed = time.monotonic() - start
+            nursery.cancel_scope.cancel()
+    assert elapsed < 1.0, f"12 Control RPCs took {elapsed:.2f}s"
+    control_ports = {call.peer_port for call in seen.calls}
+    assert len(generate_ports) == 2
+    assert len(control_ports) == 1
+    assert not control_ports & generate_ports
+    limit_lines = [r for r in caplog.records if "concurrent streams" in r.getMessage()]
+    assert len(limit_lines) == 1, "hitting the limit is logged, once"
+    assert "limit of 2 concurrent streams" in limit_lines[0].getMessage()

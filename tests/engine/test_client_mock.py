@@ -474,3 +474,27 @@ async def kill_mid_stream(client: EngineClient, mock: MockEngine) -> None:
     async with client.generate(make_request(max_tokens=50, mock={"hang_after_tokens": 2})) as stream:
         async for _ in stream:
             mock.process.kill()
+
+
+async def test_the_mock_takes_more_than_100_streams_per_connection(edge: Edge, mock_engine: SharedMock) -> None:
+    """grpcio (TensorRT-LLM's server) sets no HTTP/2 stream limit, and neither does the mock by default: h2's own
+    default of 100 would make the 101st stream on a connection wait for a slot."""
+    streams = 150
+    with trio.fail_after(TEST_BOUND):
+        async with (
+            connected_client(edge, mock_engine.endpoint, connections=1) as client,
+            trio.open_nursery() as nursery,
+        ):
+            streaming = 0
+
+            async def one() -> None:
+                nonlocal streaming
+                async with client.generate(make_request(max_tokens=8, mock={"hang_after_tokens": 1})) as stream:
+                    async for _ in stream:
+                        streaming += 1
+
+            for _ in range(streams):
+                nursery.start_soon(one)
+            while streaming < streams:
+                await trio.sleep(0.02)
+            nursery.cancel_scope.cancel()

@@ -198,3 +198,32 @@ async def test_an_unhealthy_engine_degrades_the_worker_and_recovery_reregisters_
             with trio.fail_after(10):
                 while not (await stream_completion(frontend.url, "The river", max_tokens=4)).succeeded:
                     await trio.sleep(0.1)
+
+
+async def test_an_engine_whose_health_lags_while_tokens_flow_is_busy_not_lost(
+    dynamo_env: DynamoEnv, frontend: Frontend
+) -> None:
+    """Health timing out while the engine's streams deliver tokens means busy: the in-flight request completes and
+    the worker keeps serving. The same silence with nothing flowing is a lost engine (the worker reconnects), which
+    shows the difference is the token flow, not a laxer watch."""
+    lagging_watch = (
+        "--health-poll-interval-secs", "0.2", "--health-failure-threshold", "4", "--health-timeout-secs", "0.4",
+        "--grpc-retry-interval-secs", "0.2", "--reconnect-backoff-max-secs", "0.5",
+    )  # fmt: skip
+    with trio.fail_after(120):
+        async with (
+            start_engine(
+                dynamo_env, "--decode-ms-per-token", "20", "--fault-health-delay-ms", "1000", *ROUND_ROBIN[2:]
+            ) as engine,
+            start_sidecar(dynamo_env, engine.address, *lagging_watch) as worker,
+        ):
+            await wait_routable(frontend.url, workers=1)
+            start = len(worker.process.log())
+            assert "serving -> reconnecting" not in worker.process.log(), "idle loss came before the stream started"
+            outcome = await stream_completion(frontend.url, "The river", max_tokens=300)
+            assert outcome.succeeded, outcome
+            assert outcome.completion_tokens == 300
+            during = worker.process.log()[start:]
+            assert "busy, not lost" in during
+            assert "serving -> reconnecting" not in during
+            await worker.process.wait_for_log(r"serving -> reconnecting", timeout=15, start=len(worker.process.log()))

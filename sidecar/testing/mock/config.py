@@ -75,6 +75,8 @@ class MockConfig:
     max_num_sequences: int = 4
     max_top_n: int = 20
     max_loras: int = 4
+    #: HTTP/2 streams one client connection may hold at once; 0 = no limit (grpcio, TensorRT-LLM's server, sends none).
+    max_concurrent_streams: int = 0
     speedup: float = 1.0
     prefill_tokens_per_s: float = 20000.0
     decode_ms_per_token: float = 10.0
@@ -83,6 +85,8 @@ class MockConfig:
     capabilities: Capabilities = Capabilities()
     health: HealthFlag = "ready"
     fault_exit_after_requests: int | None = None
+    #: Health answers only after this long (an engine so busy its control RPCs lag behind its token streams).
+    fault_health_delay_ms: float = 0.0
     faults_from_prompt: bool = False
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -128,6 +132,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive: {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text}")
     return value
 
 
@@ -184,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-sequences", type=_positive_int, default=d.max_num_sequences)
     p.add_argument("--max-top-n", type=int, default=d.max_top_n)
     p.add_argument("--max-loras", type=_positive_int, default=d.max_loras, help="resident LoRA adapters [%(default)s]")
+    p.add_argument(
+        "--max-concurrent-streams",
+        type=_non_negative_int,
+        default=d.max_concurrent_streams,
+        help="HTTP/2 streams per connection; 0 = no limit, as grpcio [%(default)s]",
+    )
     p.add_argument("--speedup", type=_non_negative_float, default=d.speedup, help="0 = no model-time delays")
     p.add_argument("--prefill-tokens-per-s", type=_positive_float, default=d.prefill_tokens_per_s)
     p.add_argument("--decode-ms-per-token", type=_non_negative_float, default=d.decode_ms_per_token)
@@ -199,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--health", choices=["ready", "not_ready", "degraded"], default=d.health)
     p.add_argument("--fault-exit-after-requests", type=_positive_int, default=None, metavar="N")
+    p.add_argument("--fault-health-delay-ms", type=_non_negative_float, default=0.0, metavar="MS")
     p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS with this certificate (and --tls-key)")
     p.add_argument("--tls-key", type=Path, default=None)
     p.add_argument("--tls-client-ca", type=Path, default=None, help="require client certificates signed by this CA")
@@ -282,6 +300,7 @@ def parse_args(argv: Sequence[str] | None = None) -> MockConfig:
         max_num_sequences=ns.max_num_sequences,
         max_top_n=ns.max_top_n,
         max_loras=ns.max_loras,
+        max_concurrent_streams=ns.max_concurrent_streams,
         speedup=ns.speedup,
         prefill_tokens_per_s=ns.prefill_tokens_per_s,
         decode_ms_per_token=ns.decode_ms_per_token,
@@ -290,6 +309,7 @@ def parse_args(argv: Sequence[str] | None = None) -> MockConfig:
         capabilities=caps,
         health=ns.health,
         fault_exit_after_requests=ns.fault_exit_after_requests,
+        fault_health_delay_ms=ns.fault_health_delay_ms,
         faults_from_prompt=ns.faults_from_prompt,
         tls_cert=ns.tls_cert,
         tls_key=ns.tls_key,

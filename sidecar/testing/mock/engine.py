@@ -941,6 +941,8 @@ class Engine:
 
     async def health(self, request: lifecycle_pb2.HealthRequest) -> lifecycle_pb2.HealthResponse:
         """``Control.Health``: checks ``grpc``, ``model`` (+ ``kv_connector``, ``inference_probe``)."""
+        if self.config.fault_health_delay_ms:
+            await asyncio.sleep(self.config.fault_health_delay_ms / 1000.0)
         hs = lifecycle_pb2
         response = hs.HealthResponse()
         response.checks.add(name="grpc", state=hs.HEALTH_STATE_READY, message="serving")

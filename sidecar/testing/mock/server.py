@@ -10,10 +10,12 @@ import socket
 import ssl
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from grpclib.config import Configuration
+from grpclib.protocol import H2Protocol
 from grpclib.server import Server
+from h2.settings import SettingCodes
 
 from .engine import Engine
 from .service import ControlService, InferenceService, LimitedProtoCodec
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     from .config import MockConfig
     from .lmapi import LanguageModel
 
-__all__ = ["STOP_GRACE_S", "format_address", "serve", "write_port_file"]
+__all__ = ["NO_STREAM_LIMIT", "STOP_GRACE_S", "StreamLimitServer", "format_address", "serve", "write_port_file"]
 
 log = logging.getLogger("openengine_mock")
 
@@ -31,6 +33,38 @@ STOP_GRACE_S = 5.0
 #: Inbound HTTP/2 windows: bounded so one connection cannot queue megabytes ahead of the handlers (grpc-stack §4.2).
 _WINDOW_BYTES = 1024 * 1024
 _WILDCARDS = ("", "0.0.0.0", "::")
+#: HTTP/2 ``MAX_CONCURRENT_STREAMS`` advertised for ``--max-concurrent-streams 0`` (the default): grpcio, which
+#: TensorRT-LLM's server runs on, sends no such setting, i.e. no limit; h2 alone would enforce 100 per connection.
+NO_STREAM_LIMIT = 2**31 - 1
+
+
+class _StreamLimitProtocol(H2Protocol):
+    """grpclib's HTTP/2 protocol with our ``MAX_CONCURRENT_STREAMS`` instead of h2's built-in 100.
+
+    h2 puts 100 into the connection's first SETTINGS frame; a second SETTINGS frame right behind it (same write)
+    replaces it before the client can open a stream, and h2 enforces the new value once the client acknowledges it,
+    which the client does before opening any stream beyond the old limit.
+    """
+
+    def __init__(self, base: H2Protocol, max_concurrent_streams: int) -> None:
+        super().__init__(base.handler, base.config, base.h2_config)
+        self._max_concurrent_streams = max_concurrent_streams
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self.connection._connection.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: self._max_concurrent_streams})
+        self.connection.flush()
+
+
+class StreamLimitServer(Server):
+    """A grpclib ``Server`` whose connections accept ``max_concurrent_streams`` streams (0: no limit, as grpcio)."""
+
+    def __init__(self, *args: Any, max_concurrent_streams: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._max_concurrent_streams = max_concurrent_streams or NO_STREAM_LIMIT
+
+    def _protocol_factory(self) -> H2Protocol:
+        return _StreamLimitProtocol(super()._protocol_factory(), self._max_concurrent_streams)
 
 
 def format_address(host: str, port: int) -> str:
@@ -56,8 +90,11 @@ async def serve(config: MockConfig, lm: LanguageModel | None = None) -> int:
     if lm is None:
         lm = _load_model(config)
     engine = Engine(config, lm)
-    server = Server(
+    server = StreamLimitServer(
         [InferenceService(engine), ControlService(engine)],
+        # --max-concurrent-streams; read with a default so that a MockConfig without the field serves grpcio's "no
+        # limit" (the flag lives in config.py).
+        max_concurrent_streams=config.max_concurrent_streams,
         codec=LimitedProtoCodec(),
         config=Configuration(
             http2_connection_window_size=_WINDOW_BYTES,
