@@ -31,12 +31,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Final
 
-import h2.config
 import h2.connection
 import hyperframe.frame
 import trio
 
 from openengine.v1 import generation_pb2
+from sidecar.testing.h2pair import connected_pair
 
 BURST: Final = 64
 # Between two bursts (a decode step), long enough for the other side to drain and go idle (libuv timers: 1 ms).
@@ -53,24 +53,7 @@ def cpu_s() -> float:
 
 
 def _frames(count: int) -> tuple[h2.connection.H2Connection, list[bytes]]:
-    def config(client_side: bool) -> h2.config.H2Configuration:
-        return h2.config.H2Configuration(
-            client_side=client_side, header_encoding="ascii", validate_inbound_headers=False
-        )
-
-    client, server = h2.connection.H2Connection(config(True)), h2.connection.H2Connection(config(False))
-    client.initiate_connection()
-    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
-    client.increment_flow_control_window(2**31 - 1 - 65535)
-    server.receive_data(client.data_to_send())
-    server.initiate_connection()
-    client.receive_data(server.data_to_send())
-    server.receive_data(client.data_to_send())
-    stream_id = client.get_next_available_stream_id()
-    client.send_headers(stream_id, [(":method", "POST"), (":path", "/x"), (":scheme", "http"), (":authority", "a")])
-    server.receive_data(client.data_to_send())
-    server.send_headers(stream_id, [(":status", "200")])
-    client.receive_data(server.data_to_send())
+    client, server, stream_id = connected_pair(open_window=True)
     response = generation_pb2.GenerateResponse(request_id="0b6a4c0e-6d1f-4bde-9c43-5f7c54a3e8d2")
     response.token.output_index = 0
     response.token.tokens.add(token_id=1234, token=" the")

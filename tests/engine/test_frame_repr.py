@@ -8,40 +8,17 @@ drop the patch then.
 
 from __future__ import annotations
 
-import h2.config
-import h2.connection
 import hyperframe.frame
 import pytest
 
 from sidecar.engine import _client
+from sidecar.testing.h2pair import connected_pair
 
 PAYLOAD = b"\x00\x00\x00\x00\x05hello"
 
 
-def _pair() -> tuple[h2.connection.H2Connection, h2.connection.H2Connection, int]:
-    """A connected h2 client and server with one open stream (client side), as grpclib configures them."""
-
-    def config(client_side: bool) -> h2.config.H2Configuration:
-        return h2.config.H2Configuration(
-            client_side=client_side, header_encoding="ascii", validate_inbound_headers=False
-        )
-
-    client, server = h2.connection.H2Connection(config(True)), h2.connection.H2Connection(config(False))
-    client.initiate_connection()
-    server.receive_data(client.data_to_send())
-    server.initiate_connection()
-    client.receive_data(server.data_to_send())
-    server.receive_data(client.data_to_send())
-    stream_id = client.get_next_available_stream_id()
-    client.send_headers(stream_id, [(":method", "POST"), (":path", "/x"), (":scheme", "http"), (":authority", "a")])
-    server.receive_data(client.data_to_send())
-    server.send_headers(stream_id, [(":status", "200")])
-    client.receive_data(server.data_to_send())
-    return client, server, stream_id
-
-
 def _receive_one_data_frame(serialisations: list[int]) -> None:
-    client, server, stream_id = _pair()
+    client, server, stream_id = connected_pair()
     server.send_data(stream_id, PAYLOAD)
     data = server.data_to_send()
     serialisations.clear()  # sending serialised the frame; only what receiving costs counts

@@ -1,0 +1,42 @@
+"""Two h2 connections talking to each other in memory, configured as grpclib configures them: for measuring and
+testing what h2 does per received frame without sockets or an event loop."""
+
+from __future__ import annotations
+
+import h2.config
+import h2.connection
+import h2.settings
+
+__all__ = ["connected_pair"]
+
+_WINDOW_MAX = 2**31 - 1
+_DEFAULT_WINDOW = 65535
+
+
+def connected_pair(*, open_window: bool = False) -> tuple[h2.connection.H2Connection, h2.connection.H2Connection, int]:
+    """A client and a server connection with one stream open (headers exchanged): ``(client, server, stream_id)``.
+
+    ``open_window`` raises the client's receive windows to the maximum, so the server can send many frames without
+    waiting for WINDOW_UPDATEs.
+    """
+
+    def config(client_side: bool) -> h2.config.H2Configuration:
+        return h2.config.H2Configuration(
+            client_side=client_side, header_encoding="ascii", validate_inbound_headers=False
+        )
+
+    client, server = h2.connection.H2Connection(config(True)), h2.connection.H2Connection(config(False))
+    client.initiate_connection()
+    if open_window:
+        client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _WINDOW_MAX})
+        client.increment_flow_control_window(_WINDOW_MAX - _DEFAULT_WINDOW)
+    server.receive_data(client.data_to_send())
+    server.initiate_connection()
+    client.receive_data(server.data_to_send())
+    server.receive_data(client.data_to_send())
+    stream_id = client.get_next_available_stream_id()
+    client.send_headers(stream_id, [(":method", "POST"), (":path", "/x"), (":scheme", "http"), (":authority", "a")])
+    server.receive_data(client.data_to_send())
+    server.send_headers(stream_id, [(":status", "200")])
+    client.receive_data(server.data_to_send())
+    return client, server, stream_id
