@@ -101,7 +101,8 @@ def observe_lora(model: LoraLifecycle, event: LoraEvent, source: LoraState, dest
     reason = f": {model.reason}" if model.reason else ""
     level = logging.WARNING if dest == "failed" else logging.INFO
     log.log(level, "LoRA %r %s -> %s (%s)%s", model.name, source, dest, event, reason)
-    metrics.LORA_ADAPTERS.set(LORA.counts()["serving"] + LORA.counts()["reloading"])
+    counts = LORA.counts()
+    metrics.LORA_ADAPTERS.set(counts["serving"] + counts["reloading"])
 
 
 def resolve_local_adapter(path: str | os.PathLike[str], root: Path) -> Path:
