@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from sidecar.cli import parse_config
-
-MODEL_DIR = str(Path(__file__).resolve().parents[1] / "sidecar" / "testing" / "mock" / "model")
-
-
-def base(*extra: str) -> list[str]:
-    return ["--grpc-endpoint", "127.0.0.1:50051", "--model-path", MODEL_DIR, *extra]
+from tests.helpers.cli import assert_refused, base_argv
+from tests.helpers.stack import MODEL_DIR
 
 
 def test_defaults_follow_dynamos_conventions() -> None:
-    config = parse_config(base())
+    config = parse_config(base_argv())
     assert (config.namespace, config.component, config.endpoint) == ("dynamo", None, "generate")
     assert config.grpc_connections == 8
     assert config.endpoint_types == ("chat", "completions")
@@ -28,24 +23,24 @@ def test_defaults_follow_dynamos_conventions() -> None:
 def test_environment_twins_apply_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DYN_NAMESPACE", "from-env")
     monkeypatch.setenv("DYN_SIDECAR_GRPC_CONNECTIONS", "3")
-    config = parse_config(base())
+    config = parse_config(base_argv())
     assert (config.namespace, config.grpc_connections) == ("from-env", 3)
-    assert parse_config(base("--namespace", "from-flag")).namespace == "from-flag"
+    assert parse_config(base_argv("--namespace", "from-flag")).namespace == "from-flag"
 
 
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
-        (["--model-path", MODEL_DIR], {}, "--grpc-endpoint is required"),
-        (base("--grpc-endpoint", "https://engine:443"), {}, "--grpc-endpoint"),
-        (base("--grpc-endpoint", "engine:99999"), {}, "--grpc-endpoint"),
-        (base("--grpc-connections", "0"), {}, "--grpc-connections"),
-        (base(), {"DYN_SIDECAR_GRPC_CONNECTIONS": "many"}, "--grpc-connections"),
-        (base(), {"DYN_DISAGGREGATION_MODE": "both"}, "--disaggregation-mode"),
-        (base("--endpoint-types", "chat,embeddings"), {}, "--endpoint-types"),
-        (base("--namespace", "a.b"), {}, "--namespace"),
+        (["--model-path", str(MODEL_DIR)], {}, "--grpc-endpoint is required"),
+        (base_argv("--grpc-endpoint", "https://engine:443"), {}, "--grpc-endpoint"),
+        (base_argv("--grpc-endpoint", "engine:99999"), {}, "--grpc-endpoint"),
+        (base_argv("--grpc-connections", "0"), {}, "--grpc-connections"),
+        (base_argv(), {"DYN_SIDECAR_GRPC_CONNECTIONS": "many"}, "--grpc-connections"),
+        (base_argv(), {"DYN_DISAGGREGATION_MODE": "both"}, "--disaggregation-mode"),
+        (base_argv("--endpoint-types", "chat,embeddings"), {}, "--endpoint-types"),
+        (base_argv("--namespace", "a.b"), {}, "--namespace"),
         (["--grpc-endpoint", "127.0.0.1:1", "--model-path", "/nonexistent"], {}, "--model-path"),
-        (base("--context-length", "-5"), {}, "--context-length"),
+        (base_argv("--context-length", "-5"), {}, "--context-length"),
     ],
 )
 def test_bad_flags_fail_fast_naming_the_flag(
@@ -55,12 +50,7 @@ def test_bad_flags_fail_fast_naming_the_flag(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    with pytest.raises(SystemExit) as exited:
-        parse_config(argv)
-    assert exited.value.code == 2
-    assert message in capsys.readouterr().err
+    assert_refused(argv, env, message, monkeypatch, capsys)
 
 
 def test_help_explains_every_flag_with_its_environment_twin() -> None:

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from sidecar.cli import CONTROL_PLANE_TIMEOUT_VARIABLES, apply_control_plane_deadline, parse_config
 from sidecar.dynamo import DynamoSettings
 from sidecar.dynamo._bindings import control_plane
-
-MODEL_DIR = str(Path(__file__).resolve().parents[2] / "sidecar" / "testing" / "mock" / "model")
-
-
-def base(*extra: str) -> list[str]:
-    return ["--grpc-endpoint", "127.0.0.1:50051", "--model-path", MODEL_DIR, *extra]
+from tests.helpers.cli import assert_refused, base_argv
 
 
 @pytest.fixture(autouse=True)
@@ -35,21 +28,21 @@ def test_planes_come_from_dynamos_variables_and_flags_win(monkeypatch: pytest.Mo
     monkeypatch.setenv("DYN_DISCOVERY_BACKEND", "etcd")
     monkeypatch.setenv("DYN_REQUEST_PLANE", "nats")
     monkeypatch.setenv("DYN_EVENT_PLANE", "nats")
-    config = parse_config(base())
+    config = parse_config(base_argv())
     assert (config.discovery_backend, config.request_plane, config.event_plane) == ("etcd", "nats", "nats")
-    config = parse_config(base("--request-plane", "tcp", "--event-plane", "zmq"))
+    config = parse_config(base_argv("--request-plane", "tcp", "--event-plane", "zmq"))
     assert (config.request_plane, config.event_plane) == ("tcp", "zmq")
 
 
 def test_control_plane_deadline_flag_and_twin(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert parse_config(base()).control_plane_deadline_s == 60.0
+    assert parse_config(base_argv()).control_plane_deadline_s == 60.0
     monkeypatch.setenv("DYN_SIDECAR_CONTROL_PLANE_DEADLINE_SECS", "7.5")
-    assert parse_config(base()).control_plane_deadline_s == 7.5
-    assert parse_config(base("--control-plane-deadline-secs", "3")).control_plane_deadline_s == 3.0
+    assert parse_config(base_argv()).control_plane_deadline_s == 7.5
+    assert parse_config(base_argv("--control-plane-deadline-secs", "3")).control_plane_deadline_s == 3.0
 
 
 def test_the_deadline_becomes_dynamos_startup_timeouts_unless_the_operator_set_them() -> None:
-    config = parse_config(base("--control-plane-deadline-secs", "2.5"))
+    config = parse_config(base_argv("--control-plane-deadline-secs", "2.5"))
     environ: dict[str, str] = {}
     assert apply_control_plane_deadline(config, environ) == list(CONTROL_PLANE_TIMEOUT_VARIABLES)
     assert environ == dict.fromkeys(CONTROL_PLANE_TIMEOUT_VARIABLES, "3")
@@ -61,10 +54,10 @@ def test_the_deadline_becomes_dynamos_startup_timeouts_unless_the_operator_set_t
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
-        (base("--request-plane", "nats"), {"NATS_SERVER": "http://cp:4222"}, "NATS_SERVER"),
-        (base("--event-plane", "nats"), {"NATS_SERVER": "cp:4222"}, "NATS_SERVER"),
-        (base("--discovery-backend", "etcd"), {"ETCD_ENDPOINTS": "http://cp:2379,,"}, "ETCD_ENDPOINTS"),
-        (base("--control-plane-deadline-secs", "0"), {}, "--control-plane-deadline-secs"),
+        (base_argv("--request-plane", "nats"), {"NATS_SERVER": "http://cp:4222"}, "NATS_SERVER"),
+        (base_argv("--event-plane", "nats"), {"NATS_SERVER": "cp:4222"}, "NATS_SERVER"),
+        (base_argv("--discovery-backend", "etcd"), {"ETCD_ENDPOINTS": "http://cp:2379,,"}, "ETCD_ENDPOINTS"),
+        (base_argv("--control-plane-deadline-secs", "0"), {}, "--control-plane-deadline-secs"),
     ],
 )
 def test_bad_control_plane_settings_fail_fast(
@@ -74,18 +67,13 @@ def test_bad_control_plane_settings_fail_fast(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    with pytest.raises(SystemExit) as exited:
-        parse_config(argv)
-    assert exited.value.code == 2
-    assert message in capsys.readouterr().err
+    assert_refused(argv, env, message, monkeypatch, capsys)
 
 
 def test_unused_plane_variables_are_not_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NATS_SERVER", "not-a-url")
     monkeypatch.setenv("ETCD_ENDPOINTS", ",")
-    assert parse_config(base()).request_plane == "tcp"
+    assert parse_config(base_argv()).request_plane == "tcp"
 
 
 def test_log_lines_name_what_the_runtime_connects_to(monkeypatch: pytest.MonkeyPatch) -> None:

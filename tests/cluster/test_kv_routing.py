@@ -10,7 +10,7 @@ import httpx
 import pytest
 import trio
 
-from tests.helpers.stack import MODEL
+from tests.helpers.stack import cached_completion, metric_sum
 
 from .report import record
 from .topology import Cluster, ClusterFrontend, ClusterWorker, wait_instances
@@ -18,24 +18,12 @@ from .topology import Cluster, ClusterFrontend, ClusterWorker, wait_instances
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 
 REPEATS = 10
-PROMPT = " ".join(f"Stanza {i}: the river bends past the mill, the bridge and the quiet town." for i in range(24))
+KV_EVENTS_APPLIED = "dynamo_component_kv_cache_events_applied"
 
 
-def _stored_events(metrics: str) -> float:
-    total = 0.0
-    for line in metrics.splitlines():
-        applied = line.startswith("dynamo_component_kv_cache_events_applied{")
-        if applied and 'event_type="stored"' in line and 'status="ok"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-async def _send(http: httpx.AsyncClient, frontend: ClusterFrontend) -> int:
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    response = await http.post(f"{frontend.url}/v1/completions", json=body)
-    response.raise_for_status()
-    details = response.json()["usage"].get("prompt_tokens_details") or {}
-    return int(details.get("cached_tokens") or 0)
+async def _stored_events(http: httpx.AsyncClient, frontend: ClusterFrontend) -> float:
+    text = (await http.get(f"{frontend.url}/metrics")).text
+    return metric_sum(text, KV_EVENTS_APPLIED, event_type="stored", status="ok")
 
 
 async def _served(
@@ -44,7 +32,7 @@ async def _served(
     before = {w.name: w.received() for w in workers}
     cached = 0
     for _ in range(count):
-        cached += (await _send(http, frontend)) > 0
+        cached += (await cached_completion(http, frontend.url)) > 0
     return {w.name: w.received() - before[w.name] for w in workers}, cached
 
 
@@ -65,7 +53,7 @@ async def test_both_frontends_route_a_repeated_prefix_to_the_worker_holding_it(c
             # The stored event reaches both frontends' routers over the event plane.
             with trio.fail_after(20):
                 for frontend in frontends:
-                    while _stored_events((await http.get(f"{frontend.url}/metrics")).text) < 1:
+                    while await _stored_events(http, frontend) < 1:
                         await trio.sleep(0.05)
             propagated = time.monotonic() - stored
             results = {f.name: await _served(http, f, workers, REPEATS) for f in frontends}

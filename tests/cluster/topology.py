@@ -22,7 +22,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +31,17 @@ from typing import Any
 import httpx
 import trio
 
-from tests.helpers.processes import Process, base_env, free_low_port, free_port, http_ok, start_process, stop_process
+from tests.helpers.processes import (
+    Process,
+    base_env,
+    dump_log_tails,
+    free_low_port,
+    free_port,
+    fresh_log_path,
+    http_ok,
+    start_process,
+    stop_process,
+)
 from tests.helpers.stack import MODEL, MODEL_DIR
 
 from .network import Host, Network
@@ -144,8 +154,8 @@ class Cluster:
     frontends: dict[str, ClusterFrontend] = field(default_factory=dict)
     workers: dict[str, ClusterWorker] = field(default_factory=dict)
     frontend_restarts: dict[str, int] = field(default_factory=dict)
-    _etcd_stack: AsyncExitStack | None = None
-    _nats_stack: AsyncExitStack | None = None
+    # One exit stack per running control-plane service ("etcd", "nats"): each is stopped and restarted on its own.
+    _service_stacks: dict[str, AsyncExitStack] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ addresses and environment
 
@@ -179,18 +189,10 @@ class Cluster:
         return env
 
     def log_path(self, name: str) -> Path:
-        logs = self.root / "logs"
-        logs.mkdir(exist_ok=True)
-        for i in range(1000):
-            path = logs / (f"{name}.log" if i == 0 else f"{name}.{i}.log")
-            if not path.exists():
-                return path
-        raise RuntimeError(f"too many logs named {name}")
+        return fresh_log_path(self.root, name)
 
     def dump_logs(self, lines: int = 30) -> None:
-        for log in sorted((self.root / "logs").glob("*.log")):
-            tail = log.read_text(errors="replace").splitlines()[-lines:]
-            print(f"===== {log.name} (tail)\n" + "\n".join(tail))
+        dump_log_tails(self.root, lines)
 
     # ------------------------------------------------------------------ control plane
 
@@ -230,19 +232,13 @@ class Cluster:
             except (httpx.HTTPError, ValueError):
                 return False
 
-        stack = AsyncExitStack()
-        self.etcd = await stack.enter_async_context(
-            start_process(host.argv(argv), self.env, log_path=self.log_path("etcd"), ready=healthy, ready_timeout=30)
-        )
-        self._etcd_stack = stack
+        self.etcd = await self._start_service("etcd", host.argv(argv), healthy)
         return self.etcd
 
     async def stop_etcd(self, signum: int = signal.SIGKILL) -> None:
         assert self.etcd is not None
-        assert self._etcd_stack is not None
-        await stop_process(self.etcd, signum=signum, grace=10)
-        await self._etcd_stack.aclose()
-        self.etcd = self._etcd_stack = None
+        await self._stop_service("etcd", self.etcd, signum)
+        self.etcd = None
 
     async def start_nats(self) -> Process:
         """nats-server with JetStream on the control-plane host, store in ``root/nats``."""
@@ -254,19 +250,25 @@ class Cluster:
         async def listening(_: Process) -> bool:
             return await _tcp_banner(host.address, self.nats_port, b"INFO ")
 
-        stack = AsyncExitStack()
-        self.nats = await stack.enter_async_context(
-            start_process(host.argv(argv), self.env, log_path=self.log_path("nats"), ready=listening, ready_timeout=30)
-        )
-        self._nats_stack = stack
+        self.nats = await self._start_service("nats", host.argv(argv), listening)
         return self.nats
 
     async def stop_nats(self, signum: int = signal.SIGKILL) -> None:
         assert self.nats is not None
-        assert self._nats_stack is not None
-        await stop_process(self.nats, signum=signum, grace=10)
-        await self._nats_stack.aclose()
-        self.nats = self._nats_stack = None
+        await self._stop_service("nats", self.nats, signum)
+        self.nats = None
+
+    async def _start_service(self, name: str, argv: list[str], ready: Callable[[Process], Awaitable[bool]]) -> Process:
+        stack = AsyncExitStack()
+        process = await stack.enter_async_context(
+            start_process(argv, self.env, log_path=self.log_path(name), ready=ready, ready_timeout=30)
+        )
+        self._service_stacks[name] = stack
+        return process
+
+    async def _stop_service(self, name: str, process: Process, signum: int) -> None:
+        await stop_process(process, signum=signum, grace=10)
+        await self._service_stacks.pop(name).aclose()
 
     # ------------------------------------------------------------------ frontends and workers
 

@@ -18,12 +18,19 @@ import pytest
 import trio
 
 from tests.helpers.processes import DynamoEnv, start_frontend
-from tests.helpers.stack import MODEL, Worker, dump_logs, start_engine, start_sidecar, wait_routable
+from tests.helpers.stack import (
+    Worker,
+    cached_completion,
+    dump_logs,
+    metric_sum,
+    start_engine,
+    start_sidecar,
+    wait_routable,
+)
 
 pytestmark = pytest.mark.e2e
 
 REPEATS = 20
-PROMPT = " ".join(f"Stanza {i}: the river bends past the mill, the bridge and the quiet town." for i in range(24))
 
 
 @asynccontextmanager
@@ -38,30 +45,12 @@ async def requests_received(http: httpx.AsyncClient, worker: Worker) -> int:
     return int(float(match.group(1))) if match else 0
 
 
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        if all(f'{key}="{value}"' in line for key, value in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-async def complete(http: httpx.AsyncClient, url: str) -> int:
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    response = await http.post(f"{url}/v1/completions", json=body)
-    response.raise_for_status()
-    details = response.json()["usage"].get("prompt_tokens_details") or {}
-    return int(details.get("cached_tokens") or 0)
-
-
 async def served_by(http: httpx.AsyncClient, url: str, workers: list[Worker], count: int) -> tuple[list[int], int]:
     """Send the prompt ``count`` times, one after the other; requests per worker and how many had cached tokens."""
     before = [await requests_received(http, w) for w in workers]
     cached = 0
     for _ in range(count):
-        cached += (await complete(http, url)) > 0
+        cached += (await cached_completion(http, url)) > 0
     after = [await requests_received(http, w) for w in workers]
     return [b - a for a, b in zip(before, after, strict=True)], cached
 

@@ -84,13 +84,25 @@ class DynamoEnv:
 
     def log_path(self, name: str) -> Path:
         """A fresh log file name under the scratch directory."""
-        logs = self.root / "logs"
-        logs.mkdir(exist_ok=True)
-        for i in range(1000):
-            path = logs / (f"{name}.log" if i == 0 else f"{name}.{i}.log")
-            if not path.exists():
-                return path
-        raise RuntimeError(f"too many logs named {name}")
+        return fresh_log_path(self.root, name)
+
+
+def fresh_log_path(root: Path, name: str) -> Path:
+    """``root/logs/<name>.log``, or ``<name>.<i>.log`` when a process of that name ran before (restarts keep theirs)."""
+    logs = root / "logs"
+    logs.mkdir(exist_ok=True)
+    for i in range(1000):
+        path = logs / (f"{name}.log" if i == 0 else f"{name}.{i}.log")
+        if not path.exists():
+            return path
+    raise RuntimeError(f"too many logs named {name}")
+
+
+def dump_log_tails(root: Path, lines: int) -> None:
+    """Print the tail of every process log under ``root/logs`` (the scratch directory goes away with the test)."""
+    for log in sorted((root / "logs").glob("*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        print(f"===== {log.name} (tail)\n" + "\n".join(tail))
 
 
 def base_env(root: Path) -> dict[str, str]:

@@ -21,7 +21,7 @@ from sidecar.convert.structjson import bp_struct_to_json
 from sidecar.edge import open_edge
 from sidecar.engine import EngineClientConfig, open_engine_client, parse_endpoint
 
-from .processes import DynamoEnv, Frontend, Process, free_low_port, start_process
+from .processes import DynamoEnv, Frontend, Process, dump_log_tails, free_low_port, start_process
 
 MODEL = "tiny-oe"
 MODEL_DIR = Path(__file__).resolve().parents[2] / "sidecar" / "testing" / "mock" / "model"
@@ -122,9 +122,7 @@ async def start_sidecar(
 
 def dump_logs(denv: DynamoEnv, lines: int = 40) -> None:
     """Print every process log's tail (the scratch directory goes away with the test)."""
-    for log in sorted((denv.root / "logs").glob("*.log")):
-        tail = log.read_text(errors="replace").splitlines()[-lines:]
-        print(f"===== {log.name} (tail)\n" + "\n".join(tail))
+    dump_log_tails(denv.root, lines)
 
 
 async def wait_routable(url: str, workers: int, timeout: float = 30.0) -> None:
@@ -175,3 +173,27 @@ async def engine_and_worker(denv: DynamoEnv, frontend: Frontend, *mock_args: str
         except BaseException:
             dump_logs(denv)
             raise
+
+
+#: A prompt of many KV blocks: its repeats hit the prefix cache of the worker that served it first.
+LONG_PROMPT = " ".join(f"Stanza {i}: the river bends past the mill, the bridge and the quiet town." for i in range(24))
+
+
+async def cached_completion(http: httpx.AsyncClient, url: str, prompt: str = LONG_PROMPT) -> int:
+    """One short greedy completion of ``prompt``; returns how many prompt tokens the engine found cached."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    response = await http.post(f"{url}/v1/completions", json=body)
+    response.raise_for_status()
+    details = response.json()["usage"].get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of every sample of the Prometheus metric ``name`` in ``text`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        if all(f'{key}="{value}"' in line for key, value in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -9,7 +9,6 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from openengine.v1 import generation_pb2
 from openengine_bp.openengine.v1 import (
     ErrorCode,
     StorageMedium,
@@ -23,7 +22,8 @@ from sidecar.kv._convert import decode_block_hash
 from sidecar.testing.mock.kvcache import prompt_block_hashes
 from tests.engine.conftest import start_mock
 
-BS = 16
+from .mock_traffic import BS, generate, prompt
+
 TIMEOUT = 60
 
 
@@ -36,20 +36,6 @@ async def mock_client(*flags: str) -> AsyncIterator[EngineClient]:
     ):
         await client.wait_connected(trio.current_time() + 20)
         yield client
-
-
-def prompt(seed: int, blocks: int = 4) -> list[int]:
-    return [(seed * 31 + j) % 300 + 5 for j in range(blocks * BS)]
-
-
-async def generate(client: EngineClient, request_id: str, token_ids: list[int]) -> None:
-    request = generation_pb2.GenerateRequest(request_id=request_id, model="tiny-oe")
-    request.token_ids.ids.extend(token_ids)
-    request.stopping.max_tokens = 2
-    request.sampling.temperature = 0.0
-    async with client.generate(request) as stream:
-        async for _ in stream:
-            pass
 
 
 class Reader:

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import trio
 
-from openengine.v1 import generation_pb2
 from openengine_bp.openengine.v1 import SubscribeKvEventsRequest
 from sidecar.dynamo import DynamoSettings, DynamoWorker, Registration, RequestContext, open_dynamo
 from sidecar.edge import Edge, open_edge
@@ -28,7 +27,8 @@ from sidecar.kv._convert import decode_block_hash
 from sidecar.testing.mock.kvcache import prompt_block_hashes
 from tests.engine.conftest import start_mock
 
-BS = 16
+from .mock_traffic import BS, generate, prompt
+
 MODEL_DIR = Path(__file__).resolve().parents[2] / "sidecar" / "testing" / "mock" / "model"
 CONFIG = RoutingConfig(resync_backoff_s=0.05, load_poll_interval_s=0.2)
 
@@ -111,20 +111,6 @@ async def setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *mock_flags: st
             signals = await nursery.start(run_routing_signals, client, dynamo, plan, CONFIG)
             yield Setup(edge, client, dynamo, router, signals)
             nursery.cancel_scope.cancel()
-
-
-def prompt(seed: int) -> list[int]:
-    return [(seed * 31 + j) % 300 + 5 for j in range(4 * BS)]
-
-
-async def generate(client: EngineClient, request_id: str, tokens: list[int]) -> None:
-    request = generation_pb2.GenerateRequest(request_id=request_id, model="tiny-oe")
-    request.token_ids.ids.extend(tokens)
-    request.stopping.max_tokens = 2
-    request.sampling.temperature = 0.0
-    async with client.generate(request) as stream:
-        async for _ in stream:
-            pass
 
 
 def engine_hits(tokens: list[int], registered: set[int]) -> int:
