@@ -32,7 +32,7 @@ from sidecar.errors import EngineRpcError, GrpcCode
 
 if TYPE_CHECKING:
     from openengine_bp.openengine.v1 import ModelInfo, ServerInfo
-    from sidecar.cli import SidecarConfig
+    from sidecar.config import SidecarConfig
     from sidecar.engine import EngineClient
 
 log: Final = logging.getLogger("sidecar.startup")

@@ -38,7 +38,7 @@ from sidecar.startup import Discovery, StartupRefused, check_unchanged, discover
 from statemachines import LORA, WORKER, WorkerLifecycle
 
 if TYPE_CHECKING:
-    from sidecar.cli import SidecarConfig
+    from sidecar.config import SidecarConfig
     from sidecar.dynamo import DynamoWorker, Registration
     from sidecar.engine import EngineClient
     from statemachines import WorkerEvent, WorkerState

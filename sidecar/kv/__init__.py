@@ -34,7 +34,7 @@ from ._types import PublisherFactory as PublisherFactory
 from ._types import RoutingClient as RoutingClient
 
 if TYPE_CHECKING:
-    from sidecar.cli import SidecarConfig
+    from sidecar.config import SidecarConfig
 
 __all__ = [
     "DynamoPublishers",

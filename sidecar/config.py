@@ -1,0 +1,71 @@
+"""The worker's configuration: one frozen :class:`SidecarConfig`, filled by :mod:`sidecar.cli`, read by everything else.
+
+It lives apart from the command line so that the rooms reading it (worker, start-up, routing signals) never import the
+CLI, which imports the worker to run it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+__all__ = ["ENDPOINT_TYPES", "ConfigError", "DisaggregationMode", "SidecarConfig"]
+
+DisaggregationMode = Literal["agg", "prefill", "decode"]
+ENDPOINT_TYPES = ("chat", "completions")
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarConfig:
+    """Everything the worker needs to know, validated."""
+
+    grpc_endpoint: str
+    grpc_connections: int
+    grpc_connect_attempt_timeout_s: float
+    grpc_retry_interval_s: float
+    grpc_startup_deadline_s: float
+    grpc_rpc_timeout_s: float
+    model_path: Path
+    served_model_name: str | None
+    context_length: int | None
+    namespace: str
+    component: str | None
+    endpoint: str
+    endpoint_types: tuple[str, ...]
+    disaggregation_mode: DisaggregationMode | None
+    expected_engine: str | None
+    expected_schema_release: str | None
+    model: str | None
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    discovery_backend: str
+    request_plane: str
+    event_plane: str
+    abort_timeout_s: float
+    drain_timeout_s: float
+    request_inactivity_timeout_s: float
+    health_poll_interval_s: float
+    health_timeout_s: float
+    health_failure_threshold: int
+    exit_on_engine_loss: bool
+    reconnect_backoff_max_s: float
+    registration_check_interval_s: float
+    grpc_tls_ca: Path | None
+    grpc_tls_cert: Path | None
+    grpc_tls_key: Path | None
+    log_level: str
+    log_format: str = "text"
+    ops_host: str = "127.0.0.1"
+    ops_port: int | None = None
+    kv_events: Literal["auto", "off"] = "auto"
+    load_poll_interval_s: float = 1.0
+    load_max_age_s: float = 5.0
+    control_plane_deadline_s: float = 60.0
+    lora_root: Path | None = None
+    lora_load_timeout_s: float = 120.0
+    lora_fetch_timeout_s: float = 600.0
+
+
+class ConfigError(ValueError):
+    """A flag (or its environment twin) has a bad value; the message names it."""
