@@ -31,7 +31,6 @@ import json
 import logging
 import math
 import os
-import random
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -45,6 +44,7 @@ from openengine.v1 import error_pb2, generation_pb2, kv_pb2, lifecycle_pb2, lora
 from .faults import MockFaults
 from .kvcache import Allocation, Block, BlockPool, block_hash, block_namespace, prompt_block_hashes
 from .kvsessions import KvClaimError, KvSessionStore, claim_session, prompt_digest
+from .lmapi import output_seed, seeded_uniform
 from .structs import fill_struct
 from .textstream import OutputText
 from .validate import PROMPT_LOGPROB_LIMIT, Rejection, RequestPlan, validate_request
@@ -183,14 +183,14 @@ class _Output:
         "parent",
         "pending",
         "replay",
-        "rng",
         "script_pos",
+        "seed",
         "text",
     )
 
-    def __init__(self, index: int, plan: RequestPlan, rng: random.Random, text: OutputText | None) -> None:
+    def __init__(self, index: int, plan: RequestPlan, seed: int, text: OutputText | None) -> None:
         self.index = index
-        self.rng = rng
+        self.seed = seed  # this output's own: its draws are seeded_uniform(seed, absolute position, attempt)
         self.text = text
         self.ctx = list(plan.prompt_ids)
         self.count = 0
@@ -592,7 +592,7 @@ class Engine:
         outputs = []
         for i in range(plan.n):
             text = OutputText(self.lm, plan.stop_texts, include_stop=plan.include_stop) if need_text else None
-            out = _Output(i, plan, random.Random(f"{base}:{i}"), text)
+            out = _Output(i, plan, output_seed(base, i), text)
             out.parent = req.prompt_parent
             out.block_tokens = list(plan.prompt_ids[tail_start:])
             if out.block_tokens:
@@ -638,11 +638,11 @@ class Engine:
                 banned = self._eos | plan.stop_ids
             elif plan.ignore_eos:
                 banned = self._eos
-            token_id, logprob = self._sample(plan, out)
-            for _ in range(4):
+            token_id, logprob = self._sample(plan, out, 0)
+            for attempt in range(1, 5):
                 if token_id not in banned:
                     break
-                token_id, logprob = self._sample(plan, out)
+                token_id, logprob = self._sample(plan, out, attempt)
             else:
                 if token_id in banned:
                     dist = lm.next_distribution(out.ctx, lora=plan.lora_name)
@@ -653,10 +653,11 @@ class Engine:
         logprob, rank = self._rank(dist, token_id)
         return (token_id, logprob, rank, dist[: plan.output_top_n])
 
-    def _sample(self, plan: RequestPlan, out: _Output) -> tuple[int, float]:
+    def _sample(self, plan: RequestPlan, out: _Output, attempt: int) -> tuple[int, float]:
+        """One draw for the token at absolute position ``len(out.ctx)`` (``lmapi``: migration continues exactly)."""
         return self.lm.sample(
             out.ctx,
-            out.rng,
+            0.0 if plan.greedy else seeded_uniform(out.seed, len(out.ctx), attempt),
             temperature=plan.temperature,
             top_k=plan.top_k,
             top_p=plan.top_p,
