@@ -13,10 +13,11 @@ a token (:meth:`LanguageModel.sample`), which also makes a disaggregated decode 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Final, Protocol
 
-__all__ = ["LanguageModel", "output_seed", "seeded_uniform"]
+__all__ = ["LanguageModel", "context_seed", "output_seed", "seeded_uniform"]
 
 _MASK: Final = (1 << 64) - 1
 _UNIT: Final = 1.0 / (1 << 53)
@@ -81,3 +82,8 @@ def output_seed(seed: int, index: int) -> int:
     an ``n>1`` one agree); the others get independent seeds derived from both."""
     return seed if index == 0 else _mix(_mix(seed & _MASK) ^ _mix(index))
 
+
+def context_seed(ids: Sequence[int]) -> int:
+    """A seed that is a function of a token sequence alone (greedy guided output depends on the prompt only)."""
+    digest = hashlib.blake2b(b",".join(b"%d" % i for i in ids), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
