@@ -16,7 +16,8 @@ MODEL_B: Final = "bench-b"
 #: The mock's own served model name (what path C and the sidecar send in ``GenerateRequest.model``).
 ENGINE_MODEL: Final = "tiny-oe"
 PROMPT: Final = "Tell me about the river."
-#: Sampling for every request: the mock samples with ``random.Random(f"{seed}:{output}")``, so a seed fixes a stream.
+#: Sampling for every request: the mock's seeded output is a function of seed, context and position, so a seed fixes a
+#: stream.
 TEMPERATURE: Final = 1.0
 
 _CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")

@@ -17,6 +17,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from sidecar.testing.mock.lm import MODEL_DIR, TinyLM
+from sidecar.testing.mock.lmapi import output_seed, seeded_uniform
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -56,12 +57,12 @@ def _generate(
     lora: str | None = None,
     max_tokens: int = 200,
 ) -> tuple[list[int], bool]:
-    """Token ids generated after ``prompt`` and whether an EOS ended them."""
+    """Token ids generated after ``prompt`` and whether an EOS ended them (the engine's positional draws)."""
     context = lm.encode(prompt)
-    rng = random.Random(seed)
     out: list[int] = []
     for _ in range(max_tokens):
-        token, _ = lm.sample(context + out, rng, temperature=temperature, top_p=top_p, lora=lora)
+        ctx = context + out
+        token, _ = lm.sample(ctx, seeded_uniform(seed, len(ctx)), temperature=temperature, top_p=top_p, lora=lora)
         if token in lm.eos_token_ids:
             return out, True
         out.append(token)
@@ -224,9 +225,10 @@ def test_seeded_sampling_is_reproducible(lm: TinyLM) -> None:
 
 def test_sampling_is_reproducible_across_processes(lm: TinyLM) -> None:
     code = (
-        "import random; from sidecar.testing.mock.lm import TinyLM; lm = TinyLM.load(); rng = random.Random(7); "
-        "ctx = lm.encode('The wind'); out = []\n"
-        "for _ in range(40): out.append(lm.sample(ctx + out, rng, temperature=0.9, top_p=0.95, lora='x')[0])\n"
+        "from sidecar.testing.mock.lm import TinyLM; from sidecar.testing.mock.lmapi import seeded_uniform as u; "
+        "lm = TinyLM.load(); ctx = lm.encode('The wind'); out = []\n"
+        "for _ in range(40): "
+        "out.append(lm.sample(ctx + out, u(7, len(out)), temperature=0.9, top_p=0.95, lora='x')[0])\n"
         "print(out)"
     )
     outputs = {
@@ -241,11 +243,10 @@ def test_sampling_is_reproducible_across_processes(lm: TinyLM) -> None:
         ).stdout
         for seed in ("1", "2")
     }
-    rng = random.Random(7)
     context = lm.encode("The wind")
     out: list[int] = []
     for _ in range(40):
-        out.append(lm.sample(context + out, rng, temperature=0.9, top_p=0.95, lora="x")[0])
+        out.append(lm.sample(context + out, seeded_uniform(7, len(out)), temperature=0.9, top_p=0.95, lora="x")[0])
     assert outputs == {f"{out}\n"}
 
 
@@ -277,10 +278,10 @@ def test_sample_returns_untempered_logprob_and_greedy_ties(lm: TinyLM) -> None:
     rng = random.Random(3)
     for temperature in (0.0, 0.3, 1.0, 2.5):
         for _ in range(50):
-            token, logprob = lm.sample(context, rng, temperature=temperature)
+            token, logprob = lm.sample(context, rng.random(), temperature=temperature)
             assert logprob == dist[token]
     best = lm.next_distribution(context)[0]
-    assert lm.sample(context, random.Random(0), temperature=0.0) == best
+    assert lm.sample(context, 0.999, temperature=0.0) == best
     assert lm.top_logprobs(context, 1) == [best]
 
 
@@ -292,7 +293,7 @@ def test_truncation_parameters(lm: TinyLM) -> None:
 
     def draws(temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> set[int]:
         return {
-            lm.sample(context, rng, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)[0]
+            lm.sample(context, rng.random(), temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)[0]
             for _ in range(300)
         }
 
@@ -335,6 +336,124 @@ def test_sampling_is_fast(lm: TinyLM) -> None:
     out: list[int] = []
     start = time.perf_counter()
     for _ in range(10_000):
-        token, _ = lm.sample(context + out[-4:], rng, temperature=0.8, top_p=0.95)
+        token, _ = lm.sample(context + out[-4:], rng.random(), temperature=0.8, top_p=0.95)
         out.append(token)
     assert time.perf_counter() - start < 1.0
+
+
+# -- output as a function of the context and the absolute position (migration continues exactly) ---------------------
+
+
+def _steps(
+    lm: TinyLM, context: list[int], count: int, *, seed: int, temperature: float
+) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """``count`` tokens after ``context`` as the engine draws them: (token, logprob, top-3 candidates) each."""
+    ctx = list(context)
+    steps = []
+    for _ in range(count):
+        token, logprob = lm.sample(ctx, seeded_uniform(seed, len(ctx)), temperature=temperature, top_p=0.95)
+        steps.append((token, logprob, lm.top_logprobs(ctx, 3)))
+        ctx.append(token)
+    return steps
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0, 1.8])
+def test_continuing_from_any_prefix_is_exact(lm: TinyLM, temperature: float) -> None:
+    prompt = lm.encode(CHATML_PROMPT)
+    whole = _steps(lm, prompt, 40, seed=1234, temperature=temperature)
+    for k in (1, 2, 7, 20, 39):
+        resent = prompt + [token for token, _, _ in whole[:k]]
+        assert _steps(TinyLM.load(), resent, 40 - k, seed=1234, temperature=temperature) == whole[k:], k
+
+
+def test_sampling_does_not_depend_on_earlier_calls(lm: TinyLM) -> None:
+    context = lm.encode("The river")
+    first = [lm.sample(context, u / 50, temperature=0.9, top_k=20) for u in range(50)]
+    for other in ("The wind", "", CHATML_PROMPT):  # fill and churn the caches with other states
+        [lm.sample(lm.encode(other), u / 50, temperature=0.9, top_k=20) for u in range(50)]
+    assert [lm.sample(context, u / 50, temperature=0.9, top_k=20) for u in range(50)] == first
+    assert len({token for token, _ in first}) > 3  # the draw decides
+
+
+def test_seeded_draws() -> None:
+    draws = [seeded_uniform(42, position) for position in range(10_000)]
+    assert draws == [seeded_uniform(42, position) for position in range(10_000)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    assert 0.48 < sum(draws) / len(draws) < 0.52
+    assert sum(u < 0.1 for u in draws) in range(900, 1100)
+    assert len(set(draws)) == len(draws)
+    assert seeded_uniform(42, 7) != seeded_uniform(43, 7)
+    assert seeded_uniform(42, 7) != seeded_uniform(42, 7, 1)
+    assert seeded_uniform(2**64 - 1, 3) == seeded_uniform(-1, 3)  # the proto's uint64 seed, any int accepted
+    assert output_seed(42, 0) == 42  # an n=1 request and output 0 of an n>1 request agree
+    assert len({output_seed(42, i) for i in range(100)}) == 100
+    assert output_seed(42, 1) != output_seed(43, 1)
+
+
+def _engine_run(
+    addr: str, token_ids: list[int], max_tokens: int, *, seed: int | None, temperature: float, n: int = 1
+) -> list[list[tuple[int, float, int, list[tuple[int, float, int]]]]]:
+    """Each output's (token, logprob, rank, candidates) as the mock process streamed them over gRPC."""
+    from ._client import call, generate, make_request
+
+    request = make_request(
+        token_ids=token_ids,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        seed=seed,
+        temperature=temperature,
+        n=n if n > 1 else None,
+        logprobs_top_n=3,
+    )
+    outcome = call(addr, lambda ch: generate(ch, request))
+    assert outcome.status.name == "OK", outcome.details
+    outputs: list[list[tuple[int, float, int, list[tuple[int, float, int]]]]] = [[] for _ in range(n)]
+    for message in outcome.messages:
+        if message.WhichOneof("event") == "token":
+            outputs[message.token.output_index].extend(
+                (t.token_id, t.logprob, t.rank, [(c.token_id, c.logprob, c.rank) for c in t.candidates])
+                for t in message.token.tokens
+            )
+    return outputs
+
+
+@pytest.mark.parametrize(("temperature", "seed"), [(0.0, None), (1.0, 7), (0.6, 2**63 + 5)])
+def test_engine_continues_a_migrated_request_exactly(
+    addr: str, lm: TinyLM, temperature: float, seed: int | None
+) -> None:
+    """Dynamo's migration re-sends prompt + the tokens so far (``max_tokens`` reduced): the rest must be identical."""
+    prompt = lm.encode(CHATML_PROMPT)
+    total = 30
+    (whole,) = _engine_run(addr, prompt, total, seed=seed, temperature=temperature)
+    assert len(whole) == total
+    for k in (1, 4, 13, 29):
+        resent = prompt + [token for token, *_ in whole[:k]]
+        (rest,) = _engine_run(addr, resent, total - k, seed=seed, temperature=temperature)
+        assert rest == whole[k:], f"continuation after {k} tokens differs"
+
+
+def test_engine_outputs_have_their_own_seeds(addr: str, lm: TinyLM) -> None:
+    prompt = lm.encode("The river")
+    (single,) = _engine_run(addr, prompt, 20, seed=99, temperature=1.0)
+    first, second = _engine_run(addr, prompt, 20, seed=99, temperature=1.0, n=2)
+    assert first == single  # output 0 keeps the request's seed
+    assert second != first
+    (other,) = _engine_run(addr, prompt, 20, seed=100, temperature=1.0)
+    assert other != single
+
+
+def test_engine_decode_leg_continues_its_prefill_leg_exactly(addr: str) -> None:
+    """Disaggregated = aggregated for seeded sampling: the decode leg draws by position after the replayed token."""
+    from ._client import call, generate, make_request
+
+    prompt = "The family arrived at the river"
+    whole = make_request(prompt=prompt, seed=5, temperature=1.0, max_tokens=12, ignore_eos=True)
+    context_only = make_request(prompt=prompt, seed=5, temperature=1.0, extra={"request_type": "context_only"})
+    decode = make_request(prompt=prompt, seed=5, temperature=1.0, max_tokens=12, ignore_eos=True)
+    aggregated = call(addr, lambda ch: generate(ch, whole))
+    first = call(addr, lambda ch: generate(ch, context_only))
+    assert first.events == ["token", "prefill_ready"], first.events
+    decode.kv.session.CopyFrom(first.final.prefill_ready.kv_session)
+    rest = call(addr, lambda ch: generate(ch, decode))
+    assert len(aggregated.tokens()) == 12
+    assert rest.tokens() == aggregated.tokens()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 from grpclib.client import Channel
@@ -286,7 +287,7 @@ def test_guided_json_object_when_enabled(start_mock: StartMock) -> None:
     req = make_request(max_tokens=50)
     req.guided.json_object.SetInParent()
     out = run(mock.address, req)
-    assert out.text() == '{"mock": true}'
+    assert isinstance(json.loads(out.text()), dict)  # some JSON object (tests/mock/test_guided.py: the rest)
     assert out.finished()[0].stop_match.WhichOneof("match") == "eos_token_id"
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 
 from sidecar.testing.mock.textstream import OutputText
@@ -30,7 +29,7 @@ class CharLM:
     def next_distribution(self, context: Sequence[int], *, lora: str | None = None) -> list[tuple[int, float]]:
         return [(ord("a"), 0.0)]
 
-    def sample(self, context: Sequence[int], rng: random.Random, **_: object) -> tuple[int, float]:
+    def sample(self, context: Sequence[int], u: float, **_: object) -> tuple[int, float]:
         return ord("a"), 0.0
 
     def top_logprobs(self, context: Sequence[int], n: int) -> list[tuple[int, float]]:

@@ -31,7 +31,6 @@ import json
 import logging
 import math
 import os
-import random
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -45,6 +44,7 @@ from openengine.v1 import error_pb2, generation_pb2, kv_pb2, lifecycle_pb2, lora
 from .faults import MockFaults
 from .kvcache import Allocation, Block, BlockPool, block_hash, block_namespace, prompt_block_hashes
 from .kvsessions import KvClaimError, KvSessionStore, claim_session, prompt_digest
+from .lmapi import context_seed, output_seed, seeded_uniform
 from .structs import fill_struct
 from .textstream import OutputText
 from .validate import PROMPT_LOGPROB_LIMIT, Rejection, RequestPlan, validate_request
@@ -183,20 +183,25 @@ class _Output:
         "parent",
         "pending",
         "replay",
-        "rng",
+        "script",
+        "script_eos",
         "script_pos",
+        "seed",
         "text",
     )
 
-    def __init__(self, index: int, plan: RequestPlan, rng: random.Random, text: OutputText | None) -> None:
+    def __init__(self, index: int, plan: RequestPlan, seed: int, text: OutputText | None) -> None:
         self.index = index
-        self.rng = rng
+        self.seed = seed  # this output's own: its draws are seeded_uniform(seed, absolute position, attempt)
         self.text = text
         self.ctx = list(plan.prompt_ids)
         self.count = 0
         self.finished = False
         self.pending: list[_Token] = []
         self.replay = collections.deque(plan.session.replay_tokens if plan.session is not None else ())
+        #: Tokens to emit instead of sampling (``extra.mock.tokens`` or a guided text), then EOS if ``script_eos``.
+        self.script = plan.script
+        self.script_eos = plan.script_ends_with_eos
         self.script_pos = 0
         self.block: Block | None = None
         self.block_tokens: list[int] = []
@@ -418,7 +423,7 @@ class Engine:
             served["bypass_prefix_cache_requests"] += 1
         if plan.prompt_logprobs:
             served["prompt_logprobs_requests"] += 1
-        if plan.script is not None and plan.script_ends_with_eos:
+        if plan.guide is not None and plan.script is None:
             served["guided_requests"] += 1
         if plan.text_prompt:
             served["text_prompt_requests"] += 1
@@ -592,7 +597,13 @@ class Engine:
         outputs = []
         for i in range(plan.n):
             text = OutputText(self.lm, plan.stop_texts, include_stop=plan.include_stop) if need_text else None
-            out = _Output(i, plan, random.Random(f"{base}:{i}"), text)
+            out = _Output(i, plan, output_seed(base, i), text)
+            if plan.guide is not None and plan.script is None:  # extra.mock.tokens overrides the guide
+                # Greedy output is a function of the prompt alone; sampled output varies with the output's seed.
+                text_seed = context_seed(plan.prompt_ids) if plan.greedy else out.seed
+                out.script = tuple(self.lm.encode(plan.guide.text(text_seed)))
+                out.script_eos = True
+                out.script_pos = len(out.replay)  # a decode leg continues after the prefill leg's tokens
             out.parent = req.prompt_parent
             out.block_tokens = list(plan.prompt_ids[tail_start:])
             if out.block_tokens:
@@ -624,11 +635,11 @@ class Engine:
         logprob: float | None = None
         if out.replay:
             return (out.replay.popleft(), None, None, ())
-        if plan.script is not None:
-            if out.script_pos < len(plan.script):
-                token_id = plan.script[out.script_pos]
+        if out.script is not None:
+            if out.script_pos < len(out.script):
+                token_id = out.script[out.script_pos]
                 out.script_pos += 1
-            elif plan.script_ends_with_eos and lm.eos_token_ids:
+            elif out.script_eos and lm.eos_token_ids:
                 token_id = lm.eos_token_ids[0]
             else:
                 return None
@@ -638,11 +649,11 @@ class Engine:
                 banned = self._eos | plan.stop_ids
             elif plan.ignore_eos:
                 banned = self._eos
-            token_id, logprob = self._sample(plan, out)
-            for _ in range(4):
+            token_id, logprob = self._sample(plan, out, 0)
+            for attempt in range(1, 5):
                 if token_id not in banned:
                     break
-                token_id, logprob = self._sample(plan, out)
+                token_id, logprob = self._sample(plan, out, attempt)
             else:
                 if token_id in banned:
                     dist = lm.next_distribution(out.ctx, lora=plan.lora_name)
@@ -653,10 +664,11 @@ class Engine:
         logprob, rank = self._rank(dist, token_id)
         return (token_id, logprob, rank, dist[: plan.output_top_n])
 
-    def _sample(self, plan: RequestPlan, out: _Output) -> tuple[int, float]:
+    def _sample(self, plan: RequestPlan, out: _Output, attempt: int) -> tuple[int, float]:
+        """One draw for the token at absolute position ``len(out.ctx)`` (``lmapi``: migration continues exactly)."""
         return self.lm.sample(
             out.ctx,
-            out.rng,
+            0.0 if plan.greedy else seeded_uniform(out.seed, len(out.ctx), attempt),
             temperature=plan.temperature,
             top_k=plan.top_k,
             top_p=plan.top_p,

@@ -16,7 +16,7 @@ The chain is built at load time from ``corpus.txt`` in the model directory (one 
 
 Everything is deterministic across processes: no ``hash()`` of strings, no set iteration, candidate lists sorted by
 (probability desc, token id asc). Distributions and sampling tables are cached per (context state, adapter[, params]);
-a sample is a dictionary lookup, one ``rng.random()`` and a bisection.
+a sample is a dictionary lookup and a bisection of the caller's uniform draw (``lmapi.seeded_uniform``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any, Final
 from tokenizers import Tokenizer
 
 if TYPE_CHECKING:
-    import random
     from collections.abc import Iterable, Mapping, Sequence
 
 __all__ = ["MODEL_DIR", "TinyLM"]
@@ -327,7 +326,7 @@ class TinyLM:
     def sample(
         self,
         context: Sequence[int],
-        rng: random.Random,
+        u: float,
         *,
         temperature: float,
         top_k: int = 0,
@@ -335,12 +334,13 @@ class TinyLM:
         min_p: float = 0.0,
         lora: str | None = None,
     ) -> tuple[int, float]:
-        """Draw the next token; returns ``(token_id, logprob under the untempered distribution)``.
+        """The next token for the uniform draw ``u`` in [0, 1); returns ``(token_id, logprob under the untempered
+        distribution)``. A pure function of its arguments (see ``lmapi``: the engine draws ``u`` by position).
 
-        ``temperature <= 0`` is greedy (the most likely token, ties to the lowest id; ``rng`` is not used). Otherwise
+        ``temperature <= 0`` is greedy (the most likely token, ties to the lowest id; ``u`` is not used). Otherwise
         the candidates are cut to the ``top_k`` most likely (0 = all), then, on the tempered probabilities, to the
         smallest prefix whose mass reaches ``top_p`` and to those with at least ``min_p`` times the largest
-        probability; one ``rng.random()`` picks among the rest in proportion to their tempered probability.
+        probability; ``u`` picks among the rest in proportion to their tempered probability (inverse CDF).
         """
         state, dist = self._dist(context, lora)
         if temperature <= 0.0:
@@ -356,7 +356,7 @@ class TinyLM:
                     self._samplers.clear()
                 cached = self._samplers[key] = _truncate(dist, temperature, top_k, top_p, min_p)
             n, cum = cached
-        i = bisect.bisect_right(cum, rng.random() * cum[n - 1], 0, n)
+        i = bisect.bisect_right(cum, u * cum[n - 1], 0, n)
         if i >= n:
             i = n - 1
         return dist.ids[i], dist.logprobs[i]

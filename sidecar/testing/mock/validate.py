@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import json
 import math
 import re
 import urllib.parse
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 from grpclib.const import Status
 
 from .faults import FaultError, MockFaults, parse_faults, prompt_fault_spec
+from .guided import Guide, UnsupportedGuide, compile_guide
 from .structs import JsonValue, struct_to_dict
 
 if TYPE_CHECKING:
@@ -123,6 +125,8 @@ class RequestPlan:
     media: tuple[MediaInput, ...] = ()
     #: The request came as text (``prompt``), not token ids.
     text_prompt: bool = False
+    #: The guided-decoding guide, checked; each output is one of its texts, then EOS (``guided.py``).
+    guide: Guide | None = None
 
     @property
     def greedy(self) -> bool:
@@ -420,6 +424,7 @@ def validate_request(
 
     script: tuple[int, ...] | None = None
     script_ends_with_eos = False
+    compiled_guide: Guide | None = None
     if request.HasField("guided"):
         guided = request.guided
         if guided.backend:
@@ -428,16 +433,18 @@ def validate_request(
         if guide is not None:
             if not caps.guided:
                 raise _unimplemented("guided decoding is not supported")
-            if guide == "json_object":
-                script = tuple(lm.encode('{"mock": true}'))
-            elif guide == "choice":
-                choices = [c for c in guided.choice.choices if c]
-                if not choices:
+            if guide == "choice":
+                if not any(guided.choice.choices):
                     raise _invalid("guided.choice needs at least one non-empty choice")
-                script = tuple(lm.encode(choices[0]))
+                guide_spec = json.dumps(list(guided.choice.choices))
+            elif guide == "json_object":
+                guide_spec = ""
             else:
-                raise _unimplemented(f"guided decoding mode {guide!r} is not supported by openengine-mock")
-            script_ends_with_eos = True
+                guide_spec = str(getattr(guided, guide))
+            try:
+                compiled_guide = compile_guide(guide, guide_spec)
+            except UnsupportedGuide as exc:
+                raise _unimplemented(f"guided.{guide}: {exc.message}") from None
     if faults.tokens is not None:
         bad = next((t for t in faults.tokens if t >= lm.vocab_size), None)
         if bad is not None:
@@ -546,4 +553,5 @@ def validate_request(
         faults=faults,
         media=media,
         text_prompt=kind == "prompt",
+        guide=compiled_guide,
     )
