@@ -1,0 +1,134 @@
+"""Fixtures for the conformance kit: ``openengine-mock`` processes (always stopped) and one in-process kit runner."""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from sidecar.conformance import main
+from tests.mock.conftest import MockProcess
+
+#: Every kit run's RPC deadline and settle bound: generous for a loaded 2-core box, far inside the test timeouts.
+KIT_BOUNDS = ("--rpc-timeout", "20", "--settle-secs", "15")
+#: A realistic-but-fast model speed: a long request lasts a few seconds (holds stay open), short ones milliseconds.
+MOCK_SPEED = ("--decode-ms-per-token", "1")
+NEEDS_MOCK_BRANCH = "needs the mock branch"
+
+
+@functools.cache
+def mock_help() -> str:
+    """``openengine-mock --help`` (to skip the tests of flags this checkout's mock does not have yet)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "sidecar.testing.mock", "--help"], capture_output=True, text=True, timeout=60
+    )
+    return done.stdout
+
+
+def mock_has(flag: str) -> bool:
+    return flag in mock_help()
+
+
+def require_mock_flag(flag: str) -> None:
+    if not mock_has(flag):
+        pytest.skip(f"{NEEDS_MOCK_BRANCH}: openengine-mock has no {flag} yet")
+
+
+def start_mock(directory: Path, *args: str, name: str = "mock") -> MockProcess:
+    """Start ``openengine-mock`` on an OS-picked loopback port and wait until it listens (30 s bound)."""
+    port_file = directory / f"{name}.port"
+    log_path = directory / f"{name}.log"
+    cmd = [sys.executable, "-m", "sidecar.testing.mock", "--host", "127.0.0.1", "--port", "0"]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [*cmd, "--port-file", str(port_file), *args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+    mock = MockProcess(proc, port_file, log_path)
+    try:
+        mock.wait_listening()
+    except BaseException:
+        mock.kill()
+        raise
+    return mock
+
+
+@pytest.fixture
+def mocks(tmp_path: Path) -> Iterator[list[MockProcess]]:
+    """A list the test appends its mocks to (via :func:`start_mock`); every one is killed afterwards."""
+    started: list[MockProcess] = []
+    yield started
+    for mock in started:
+        mock.kill()
+
+
+@pytest.fixture
+def mock_factory(tmp_path: Path, mocks: list[MockProcess]) -> MockFactory:
+    return MockFactory(tmp_path, mocks)
+
+
+@dataclass
+class MockFactory:
+    directory: Path
+    started: list[MockProcess]
+
+    def __call__(self, *args: str, name: str = "mock") -> MockProcess:
+        mock = start_mock(self.directory, *args, name=f"{name}-{len(self.started)}")
+        self.started.append(mock)
+        return mock
+
+
+@pytest.fixture(scope="session")
+def default_mock(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MockProcess]:
+    """One mock in its default configuration, shared by the tests that only read from it (no fault flags)."""
+    mock = start_mock(tmp_path_factory.mktemp("conformance"), *MOCK_SPEED)
+    yield mock
+    mock.kill()
+
+
+@dataclass(frozen=True)
+class KitRun:
+    """One in-process run of ``openengine-conformance``: exit code, stdout, stderr."""
+
+    code: int
+    out: str
+    err: str
+
+    @property
+    def report(self) -> dict[str, object]:
+        data = json.loads(self.out)
+        assert isinstance(data, dict)
+        return data
+
+    def verdicts(self) -> dict[str, str]:
+        checks = self.report["checks"]
+        assert isinstance(checks, list)
+        return {c["id"]: c["verdict"] for c in checks}
+
+    def evidence(self, check_id: str) -> str:
+        checks = self.report["checks"]
+        assert isinstance(checks, list)
+        return str(next(c["evidence"] for c in checks if c["id"] == check_id))
+
+
+def run_kit(capsys: pytest.CaptureFixture[str], *argv: str) -> KitRun:
+    """``openengine-conformance ARGV`` in this process (its own asyncio loop), with the tests' bounds."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main([*KIT_BOUNDS, *argv])
+    captured = capsys.readouterr()
+    code = exited.value.code
+    assert isinstance(code, int)
+    return KitRun(code, captured.out, captured.err)
+
+
+def failed(run: KitRun) -> dict[str, str]:
+    """The failed checks and their evidence."""
+    checks = run.report["checks"]
+    assert isinstance(checks, list)
+    return {c["id"]: c["evidence"] for c in checks if c["verdict"] == "fail"}
