@@ -346,7 +346,9 @@ class EngineClient:
                 with trio.fail_after(bound):
                     return await self._probe_pool(bound)
             except trio.TooSlowError:
-                last_error = f"attempt timed out after {bound:g}s"
+                # An attempt cut short by the overall deadline says less than the failure before it (a TLS refusal).
+                if bound >= cfg.connect_attempt_timeout_s or failures == 0:
+                    last_error = f"attempt timed out after {bound:g}s"
             except EngineRpcError as exc:
                 if exc.code not in _RETRY_CODES:
                     raise

@@ -104,10 +104,16 @@ class _Handlers(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpcio ships n
 
 @contextmanager
 def grpcio_engine(
-    *, token_s: float = 0.02, address: str = "127.0.0.1:0", max_connection_age_s: float | None = None
+    *,
+    token_s: float = 0.02,
+    address: str = "127.0.0.1:0",
+    max_connection_age_s: float | None = None,
+    max_concurrent_streams: int | None = None,
 ) -> Iterator[GrpcioEngine]:
     """Serve the double (loopback, OS-picked port, or ``unix:PATH``); stop it without grace on exit."""
     options: list[tuple[str, Any]] = []
+    if max_concurrent_streams is not None:
+        options.append(("grpc.max_concurrent_streams", max_concurrent_streams))
     if max_connection_age_s is not None:
         options += [
             ("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
