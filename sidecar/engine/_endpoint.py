@@ -80,8 +80,8 @@ def parse_endpoint(text: str, *, tls: bool = False) -> Endpoint:
         scheme = scheme.lower()
         if scheme in _TLS_SCHEMES and not tls:
             raise EndpointError(
-                f"TLS is not enabled; {original!r} asks for {scheme}://, but OpenEngine is spoken over plaintext h2c"
-                " (use http://host:port, grpc://host:port or host:port, or pass --grpc-tls-ca to enable TLS)"
+                f"TLS is not enabled; {original!r} asks for {scheme}://, which needs --grpc-tls-ca (the CA that signed"
+                " the engine's certificate); for plaintext h2c use http://host:port, grpc://host:port or host:port"
             )
         if scheme in _PLAINTEXT_SCHEMES and tls:
             raise EndpointError(f"{original!r} asks for plaintext {scheme}:// but TLS is configured; use https://")
