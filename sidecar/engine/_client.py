@@ -313,7 +313,10 @@ class EngineClient:
         if relay.draining:
             log.warning("connections still draining %gs after the engine's GOAWAY: closing them", timeout_s)
             with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_GRACE_S):
-                await self._edge.run(_aio_close_draining, [self._control_channel, *self._channels])
+                try:
+                    await self._edge.run(_aio_close_draining, [self._control_channel, *self._channels])
+                except EdgeError:
+                    log.debug("edge loop already closed; the draining connections went with it")
         relay.reason = None
 
     # ------------------------------------------------------------------ connection

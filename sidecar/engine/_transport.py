@@ -411,6 +411,14 @@ class GracefulProcessor(EventsProcessor):
         super().__init__(handler, connection)
         self._protocol = protocol
         self.goaway: ConnectionTerminated | None = None
+        self.closed_because: str | None = None
+
+    def close(self, reason: str = "Connection closed") -> None:
+        # The first reason is why the streams ended; the transport's own "connection lost" that follows must not
+        # replace it (grpclib's stream raises the last reason it was given).
+        if self.closed_because is None:
+            self.closed_because = reason
+        super().close(self.closed_because)
 
     def process_connection_terminated(self, event: ConnectionTerminated) -> None:
         first = self.goaway is None
@@ -535,6 +543,17 @@ class PooledChannel(Channel):
     def draining(self) -> int:
         """Connections of this channel that had a GOAWAY and still deliver streams."""
         return len(self._draining)
+
+    @property
+    def _connected(self) -> bool:
+        # grpclib's test plus "no GOAWAY": a connection that heard one before it was handed to the channel must not
+        # be reused for new calls either.
+        protocol = self._protocol
+        return (
+            protocol is not None
+            and not getattr(protocol.handler, "connection_lost", False)
+            and getattr(protocol.processor, "goaway", None) is None
+        )
 
     def _protocol_factory(self) -> H2Protocol:
         return GracefulProtocol(Handler(), self._config, self._h2_config, self)

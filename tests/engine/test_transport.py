@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpclib.client
 import grpclib.protocol
@@ -15,6 +16,9 @@ from h2.events import ConnectionTerminated
 from hyperframe.frame import DataFrame, GoAwayFrame
 
 from sidecar.engine._transport import GracefulProcessor, GracefulProtocol, PooledChannel, _explain_unix
+
+if TYPE_CHECKING:
+    from sidecar.edge import Edge
 
 
 def test_the_grpclib_and_h2_internals_the_transport_relies_on_are_there() -> None:
@@ -69,3 +73,55 @@ def test_unix_socket_failures_are_one_sentence_naming_the_path(tmp_path: Path) -
     assert "nothing listens" in _explain_unix(ConnectionRefusedError(errno.ECONNREFUSED, "x"), str(stale))
     denied = _explain_unix(PermissionError(errno.EACCES, "x"), str(stale))
     assert denied.startswith(f"permission denied on the Unix socket {stale}")
+
+
+async def _channel_refuses_a_goaway_connection() -> tuple[bool, bool]:
+    from grpclib.config import Configuration
+    from grpclib.encoding.proto import ProtoCodec
+
+    from sidecar.engine import Endpoint
+
+    class Listener:
+        def going_away(self, reason: str) -> None: ...
+
+        def drained(self) -> None: ...
+
+    channel = PooledChannel(
+        Endpoint("127.0.0.1", 1), codec=ProtoCodec(), config=Configuration(), tls=None, listener=Listener()
+    )
+
+    class Processor:
+        goaway: object = None
+
+    class Protocol:
+        handler = grpclib.client.Handler()
+        processor = Processor()
+
+    channel._protocol = Protocol()  # type: ignore[assignment]
+    before = channel._connected
+    Protocol.processor.goaway = ConnectionTerminated()
+    after = channel._connected
+    channel._protocol = None
+    return before, after
+
+
+async def test_a_connection_that_heard_a_goaway_is_not_reused_for_new_calls(edge: Edge) -> None:
+    # Even one that heard it before the channel adopted it (between connection_made and the end of the connect).
+    assert await edge.run(_channel_refuses_a_goaway_connection) == (True, False)
+
+
+def test_the_first_close_reason_is_the_one_streams_see() -> None:
+    reasons: list[str] = []
+
+    class Stream:
+        def __terminated__(self, reason: str) -> None:
+            reasons.append(reason)
+
+    class Connection:
+        def close(self) -> None: ...
+
+    processor = GracefulProcessor(grpclib.client.Handler(), Connection(), None)  # type: ignore[arg-type]
+    processor.streams[1] = Stream()  # type: ignore[assignment]
+    processor.close("TLS: the engine answers in TLS")
+    processor.close("Connection lost")
+    assert reasons == ["TLS: the engine answers in TLS"] * 2
