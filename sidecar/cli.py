@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         engine,
         "--grpc-endpoint",
         "DYN_SIDECAR_GRPC_ENDPOINT",
-        "OpenEngine gRPC endpoint: host:port, http://host:port or grpc://host:port (plaintext h2c)",
+        "OpenEngine gRPC endpoint: host:port, http://host:port or grpc://host:port (plaintext h2c); https://host:port "
+        "or grpcs://host:port with --grpc-tls-ca (TLS); unix:///path/to/engine.sock or unix:path (a Unix-domain "
+        "socket, plaintext)",
     )
     add(
         engine,
@@ -129,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
         engine,
         "--grpc-tls-ca",
         "DYN_SIDECAR_GRPC_TLS_CA",
-        "CA bundle to verify the engine's certificate; enables TLS (https:// and grpcs:// endpoints need it)",
+        "CA bundle to verify the engine's certificate; enables TLS (https:// and grpcs:// endpoints need it). TLS "
+        "files are read again on a reconnect whenever they changed on disk (rotation needs no restart)",
     )
     add(
         engine,
@@ -138,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
         "client certificate for mutual TLS (with --grpc-tls-key)",
     )
     add(engine, "--grpc-tls-key", "DYN_SIDECAR_GRPC_TLS_KEY", "client private key for mutual TLS")
+    add(
+        engine,
+        "--grpc-tls-key-password-file",
+        "DYN_SIDECAR_GRPC_TLS_KEY_PASSWORD_FILE",
+        "file holding the passphrase of an encrypted --grpc-tls-key (an encrypted key without it is refused)",
+    )
 
     model = parser.add_argument_group("model registration")
     add(
@@ -315,6 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=("auto", "off"),
     )
+    routing.add_argument(
+        "--kv-events-allow-plaintext",
+        action=argparse.BooleanOptionalAction,
+        default=_env("DYN_SIDECAR_KV_EVENTS_ALLOW_PLAINTEXT") in ("1", "true", "yes"),
+        help="with a TLS engine, still use its KV events over ZMQ from a non-loopback address (ZMQ is plaintext: "
+        "the token ids of every prompt cross the network readable) [env DYN_SIDECAR_KV_EVENTS_ALLOW_PLAINTEXT]",
+    )
     add(
         routing,
         "--load-poll-interval-secs",
@@ -418,27 +434,17 @@ def _number(ns: argparse.Namespace, name: str, flag: str, kind: Callable[[str], 
     return value
 
 
-def _tls_paths(ns: argparse.Namespace) -> tuple[Path | None, Path | None, Path | None]:
-    paths: list[Path | None] = []
-    for name, flag in (
-        ("grpc_tls_ca", "--grpc-tls-ca"),
-        ("grpc_tls_cert", "--grpc-tls-cert"),
-        ("grpc_tls_key", "--grpc-tls-key"),
-    ):
-        raw = getattr(ns, name)
-        if raw is None:
-            paths.append(None)
-            continue
-        path = Path(raw)
-        if not path.is_file():
-            raise ConfigError(f"{flag}: no such file: {raw}")
-        paths.append(path.resolve())
-    ca, cert, key = paths
-    if (cert is None) != (key is None):
-        raise ConfigError("--grpc-tls-cert and --grpc-tls-key go together (mutual TLS)")
-    if cert is not None and ca is None:
-        raise ConfigError("--grpc-tls-cert needs --grpc-tls-ca: mutual TLS verifies the engine too")
-    return ca, cert, key
+def _tls_paths(ns: argparse.Namespace) -> tuple[Path | None, Path | None, Path | None, Path | None]:
+    # The engine client's own checks (the same as `probe`'s): partner flags, files present and usable, one line each.
+    from sidecar.engine import TlsFilesError, tls_files_from_flags
+
+    try:
+        files = tls_files_from_flags(ns.grpc_tls_ca, ns.grpc_tls_cert, ns.grpc_tls_key, ns.grpc_tls_key_password_file)
+    except TlsFilesError as exc:
+        raise ConfigError(str(exc)) from None
+    if files is None:
+        return None, None, None, None
+    return files.ca, files.cert, files.key, files.key_password_file
 
 
 def _validate(ns: argparse.Namespace) -> SidecarConfig:
@@ -453,12 +459,14 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         raise ConfigError(f"--model-path: no tokenizer.json or tokenizer_config.json in {ns.model_path}")
     tls = _tls_paths(ns)
     # Endpoint syntax is checked by the engine client's parser so both share one rule set.
-    from sidecar.engine import EndpointError, parse_endpoint
+    from sidecar.engine import EndpointError, parse_endpoint, unix_path_problem
 
     try:
-        parse_endpoint(ns.grpc_endpoint, tls=tls[0] is not None)
+        engine_endpoint = parse_endpoint(ns.grpc_endpoint, tls=tls[0] is not None)
     except EndpointError as exc:
         raise ConfigError(f"--grpc-endpoint: {exc}") from None
+    if engine_endpoint.path is not None and (problem := unix_path_problem(engine_endpoint.path)) is not None:
+        raise ConfigError(f"--grpc-endpoint: {problem}")
     context_length = None if ns.context_length is None else int(_number(ns, "context_length", "--context-length", int))
     _check_control_plane_env(ns)
     for flag, value in (("--namespace", ns.namespace), ("--endpoint", ns.endpoint)):
@@ -505,6 +513,8 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         grpc_tls_ca=tls[0],
         grpc_tls_cert=tls[1],
         grpc_tls_key=tls[2],
+        grpc_tls_key_password_file=tls[3],
+        kv_events_allow_plaintext=bool(ns.kv_events_allow_plaintext),
         log_level=ns.log_level,
         log_format=ns.log_format,
         ops_host=ns.ops_host,

@@ -65,6 +65,9 @@ class SidecarConfig:
     lora_root: Path | None = None
     lora_load_timeout_s: float = 120.0
     lora_fetch_timeout_s: float = 600.0
+    grpc_tls_key_password_file: Path | None = None
+    #: With a TLS engine, forward KV events a non-loopback ZMQ publisher sends in plaintext (refused otherwise).
+    kv_events_allow_plaintext: bool = False
 
 
 class ConfigError(ValueError):

@@ -65,6 +65,7 @@ def _client_config(config: SidecarConfig) -> EngineClientConfig:
         tls_ca=config.grpc_tls_ca,
         tls_cert=config.grpc_tls_cert,
         tls_key=config.grpc_tls_key,
+        tls_key_password_file=config.grpc_tls_key_password_file,
         rpc_timeout_s=config.grpc_rpc_timeout_s,
         connect_attempt_timeout_s=config.grpc_connect_attempt_timeout_s,
         retry_interval_s=config.grpc_retry_interval_s,
@@ -251,10 +252,16 @@ class Worker:
         """
         config = self.config
         failures = 0
+        # A GOAWAY wakes this watch at once; handling it here keeps every lifecycle step of the engine in one task.
+        client.on_going_away(lambda _reason: self.requests.engine_trouble.set())
         while True:
             with trio.move_on_after(config.health_poll_interval_s):
                 await self.requests.engine_trouble.wait()
             self.requests.engine_trouble = trio.Event()
+            if client.going_away is not None:
+                await self._engine_going_away(client, dynamo)
+                failures = 0
+                continue
             progress = self.requests.progress
             try:
                 response = await client.health(timeout_s=config.health_timeout_s)
@@ -342,6 +349,29 @@ class Worker:
         await dynamo.register(self._registration(self._discovery))
         life.fire("registered", reason="engine back")
         metrics.RECONNECTS.labels(stage="recovered").inc()
+
+    async def _engine_going_away(self, client: EngineClient, dynamo: DynamoWorker) -> None:
+        """The engine sent GOAWAY: it is stopping (TensorRT-LLM: ``server.stop(grace=5)``, open streams may finish).
+
+        Withdraw from routing at once (``degrade``: new requests go elsewhere), let the requests in flight run on the
+        draining connections until they end or the engine closes them (a stream cut at the end of its grace fails
+        with a migratable error), then come back the way a lost engine does: reconnect, rediscover, register.
+        """
+        reason = client.going_away or "GOAWAY"
+        life = self.lifecycle
+        if life.state == "serving":
+            life.fire("degrade", reason=f"the engine is going away ({reason})")
+            self.requests.attach(None)
+            await _best_effort("withdrawal from routing", dynamo.withdraw(), self.config.grpc_rpc_timeout_s)
+            metrics.HEALTH_TRANSITIONS.labels(change="degraded").inc()
+        log.info(
+            "engine going away: %d request(s) in flight continue until they end or the engine closes its connections",
+            self.requests.in_flight,
+        )
+        # Bounded like our own drain: an engine that keeps a GOAWAY'd connection open forever must not pin us here.
+        await client.wait_drained(timeout_s=self.config.drain_timeout_s)
+        if life.state == "degraded":
+            await self._engine_lost(client, dynamo, f"the engine went away ({reason})")
 
     async def _watch_registration(self, dynamo: DynamoWorker) -> None:
         """File discovery never restores an expired or deleted entry by itself: put ours back when it goes."""

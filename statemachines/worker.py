@@ -18,8 +18,10 @@
 # After that the worker must survive the engine (Dynamo's Rust sidecar exits on the first failed health poll and
 # never reconnects; we do not):
 #
-# * `degrade`:     serving, but the engine's Health is not READY or Health RPCs fail.  The worker withdraws its
-#                  Dynamo endpoint instance so the router stops sending it work; in-flight requests continue.
+# * `degrade`:     serving, but the engine's Health is not READY or Health RPCs fail, or the engine announced that
+#                  it is stopping (GOAWAY).  The worker withdraws its Dynamo endpoint instance so the router stops
+#                  sending it work; in-flight requests continue (after a GOAWAY, until the engine closes its
+#                  connections; then `engine_lost`).
 # * `recover`:     Health is READY again -> `registering` re-registers, then `registered` -> serving.
 # * `engine_lost`: the channel to the engine is gone (restart, crash, network).  In-flight requests are failed with
 #                  a migratable error, the registration is withdrawn, the worker reconnects with backoff; on
@@ -123,8 +125,8 @@ TRANSITIONS: list[TransitionConfigDict] = [
     {"trigger": "ready", "source": "waiting_ready", "dest": "registering"},
     # Dynamo endpoint served and model registered: the frontend may route to us from now on.
     {"trigger": "registered", "source": "registering", "dest": "serving"},
-    # Health not READY or Health RPCs failing while the channel is up: withdraw from routing, keep in-flight work
-    # (the Rust sidecar exits here).
+    # Health not READY or Health RPCs failing while the channel is up, or a GOAWAY (the engine is stopping): withdraw
+    # from routing, keep in-flight work (the Rust sidecar exits here).
     {"trigger": "degrade", "source": "serving", "dest": "degraded"},
     # Health READY again: re-register (through `registering`, so "serving" always means "registered").
     {"trigger": "recover", "source": "degraded", "dest": "registering"},
@@ -194,10 +196,11 @@ STATE_DOCS: dict[WorkerState, StateDoc] = {
         action="Nothing.",
     ),
     "degraded": StateDoc(
-        meaning="The engine is reachable but not healthy (Health not READY or Health RPCs failing). The endpoint "
-        "instance is withdrawn so no new requests are routed here; in-flight requests continue.",
-        operator_sees="A warning with the reason (health state or RPC error); /health 503; traffic moves to other "
-        "workers, or new requests get 503 if there are none.",
+        meaning="The engine is reachable but not healthy (Health not READY or Health RPCs failing), or it announced "
+        "that it is stopping (GOAWAY). The endpoint instance is withdrawn so no new requests are routed here; "
+        "in-flight requests continue.",
+        operator_sees="A warning with the reason (health state, RPC error, or 'the engine is going away'); /health "
+        "503; traffic moves to other workers, or new requests get 503 if there are none.",
         action="Check the engine (overload, GPU error, model reload). The worker re-registers by itself when "
         "Health is READY again.",
     ),

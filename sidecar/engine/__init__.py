@@ -30,6 +30,11 @@ from ._metadata import TraceContext as TraceContext
 from ._metadata import check_metadata as check_metadata
 from ._status import GRPCLIB_STATUS_CODE as GRPCLIB_STATUS_CODE
 from ._status import to_engine_rpc_error as to_engine_rpc_error
+from ._transport import TlsFiles as TlsFiles
+from ._transport import TlsFilesError as TlsFilesError
+from ._transport import build_tls_context as build_tls_context
+from ._transport import tls_files_from_flags as tls_files_from_flags
+from ._transport import unix_path_problem as unix_path_problem
 
 __all__ = [
     "CLIENT_REVISION",
@@ -51,11 +56,16 @@ __all__ = [
     "MetadataError",
     "RequestMetadata",
     "SchemaIncompatible",
+    "TlsFiles",
+    "TlsFilesError",
     "TraceContext",
+    "build_tls_context",
     "check_metadata",
     "check_server_compat",
     "open_engine_client",
     "parse_endpoint",
     "release_matches",
+    "tls_files_from_flags",
     "to_engine_rpc_error",
+    "unix_path_problem",
 ]

@@ -18,7 +18,10 @@ Rules kept here, each learnt the hard way (``grpc-stack.md``):
 * keepalive PINGs no faster than every 10 s (gRPC servers answer faster ones with GOAWAY ``too_many_pings``);
 * Control RPCs (and KV-event subscriptions) have a connection of their own, so that ``Health``, ``GetLoad`` and
   ``Abort`` never wait behind ``Generate`` streams for a stream slot when a connection reaches the engine's
-  ``MAX_CONCURRENT_STREAMS`` (grpclib then parks new streams until one ends); hitting that limit is logged.
+  ``MAX_CONCURRENT_STREAMS`` (grpclib then parks new streams until one ends); hitting that limit is logged;
+* a GOAWAY drains its connection rather than killing it (``_transport.py``): open streams run to their end, new calls
+  go to a fresh connection (a call refused before it was sent is retried there once), and the client tells its owner
+  that the engine is going away (:attr:`EngineClient.going_away`, :meth:`EngineClient.on_going_away`).
 """
 
 from __future__ import annotations
@@ -26,15 +29,13 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import ssl
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 import hyperframe.frame
 import trio
-from grpclib.client import Channel
 from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 from grpclib.encoding.proto import ProtoCodec
@@ -75,6 +76,7 @@ from . import _grpclib_lean
 from ._compat import CLIENT_REVISION, PINNED_SCHEMA_RELEASE
 from ._metadata import TraceContext, check_metadata
 from ._status import to_engine_rpc_error
+from ._transport import GoawayRefused, PooledChannel, TlsFiles, TlsSource
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -83,7 +85,7 @@ if TYPE_CHECKING:
 
     from ._config import EngineClientConfig
 
-__all__ = ["HYPERFRAME_REPR", "BatchIterator", "ChannelStats", "EngineClient", "open_engine_client"]
+__all__ = ["HYPERFRAME_REPR", "BatchIterator", "ChannelStats", "EngineClient", "open_engine_client", "tls_files"]
 
 log = logging.getLogger("sidecar.engine")
 
@@ -194,6 +196,56 @@ class _BoundedProtoCodec(ProtoCodec):
         return message_type.FromString(data)
 
 
+class _GoawayRelay:
+    """The pool's GOAWAY news, carried from the edge loop into trio (the pool's ``PoolListener``).
+
+    ``going_away``/``drained`` run on the edge loop and only post to trio; the ``_note_*`` callbacks run in trio
+    (``run_sync_soon``: they must not raise).
+    """
+
+    def __init__(self, token: trio.lowlevel.TrioToken) -> None:
+        self._token = token
+        self.reason: str | None = None
+        self.draining = 0
+        self.drained_event = trio.Event()
+        self.drained_event.set()
+        self.listeners: list[Callable[[str], None]] = []
+
+    def going_away(self, reason: str) -> None:
+        self._post(self._note_going_away, reason)
+
+    def drained(self) -> None:
+        self._post(self._note_drained)
+
+    def _post(self, fn: Callable[..., None], *args: object) -> None:
+        with suppress(trio.RunFinishedError):  # trio is gone: nobody is left to tell
+            self._token.run_sync_soon(fn, *args)
+
+    def _note_going_away(self, reason: str) -> None:
+        self.draining += 1
+        if self.drained_event.is_set():
+            self.drained_event = trio.Event()
+        if self.reason is not None:
+            return  # the same episode: every connection of the pool hears the GOAWAY
+        self.reason = reason
+        log.warning(
+            "the engine is going away (%s): no new streams on its connections; open streams run until they end or "
+            "the engine closes the connection",
+            reason,
+        )
+        for listener in self.listeners:
+            try:
+                listener(reason)
+            except Exception:
+                log.exception("a going-away listener failed")
+
+    def _note_drained(self) -> None:
+        self.draining -= 1
+        if self.draining <= 0:
+            self.draining = 0
+            self.drained_event.set()
+
+
 class EngineClient:
     """One RPC method per OpenEngine RPC; use it through :func:`open_engine_client`.
 
@@ -202,7 +254,14 @@ class EngineClient:
     and ``timeout_s`` (defaults to ``config.rpc_timeout_s``).
     """
 
-    def __init__(self, edge: Edge, config: EngineClientConfig, channels: list[Channel], control: Channel) -> None:
+    def __init__(
+        self,
+        edge: Edge,
+        config: EngineClientConfig,
+        channels: list[PooledChannel],
+        control: PooledChannel,
+        relay: _GoawayRelay | None = None,
+    ) -> None:
         self._edge = edge
         self._config = config
         self._channels = channels  # Generate, round-robin
@@ -210,6 +269,7 @@ class EngineClient:
         self._control = ControlStub(control)
         self._next_index = itertools.cycle(range(len(channels))).__next__
         self._closed = False
+        self._relay = relay if relay is not None else _GoawayRelay(trio.lowlevel.current_trio_token())
 
     @property
     def config(self) -> EngineClientConfig:
@@ -220,6 +280,44 @@ class EngineClient:
     def closed(self) -> bool:
         """True once :meth:`aclose` has run."""
         return self._closed
+
+    # ------------------------------------------------------------------ the engine going away (GOAWAY)
+
+    @property
+    def going_away(self) -> str | None:
+        """Why the engine said it is going away (a GOAWAY on one of the pool's connections), or None.
+
+        Set at the first GOAWAY; stays set until :meth:`wait_drained` has seen every such connection closed.
+        """
+        return self._relay.reason
+
+    @property
+    def draining_connections(self) -> int:
+        """Connections that had a GOAWAY and are still open, delivering the streams that were running on them."""
+        return self._relay.draining
+
+    def on_going_away(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(reason)`` (in trio, synchronously: it must not block) at the first GOAWAY of each episode."""
+        self._relay.listeners.append(listener)
+
+    async def wait_drained(self, timeout_s: float = math.inf) -> None:
+        """Return once no connection that had a GOAWAY is open (its streams ended, or the engine closed it); then
+        :attr:`going_away` is cleared, and the next GOAWAY starts a new episode.
+
+        After ``timeout_s`` the connections still draining are closed by us (their streams fail UNAVAILABLE).
+        """
+        relay = self._relay
+        with trio.move_on_after(timeout_s):
+            while relay.draining:
+                await relay.drained_event.wait()
+        if relay.draining:
+            log.warning("connections still draining %gs after the engine's GOAWAY: closing them", timeout_s)
+            with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_GRACE_S):
+                try:
+                    await self._edge.run(_aio_close_draining, [self._control_channel, *self._channels])
+                except EdgeError:
+                    log.debug("edge loop already closed; the draining connections went with it")
+        relay.reason = None
 
     # ------------------------------------------------------------------ connection
 
@@ -251,7 +349,9 @@ class EngineClient:
                 with trio.fail_after(bound):
                     return await self._probe_pool(bound)
             except trio.TooSlowError:
-                last_error = f"attempt timed out after {bound:g}s"
+                # An attempt cut short by the overall deadline says less than the failure before it (a TLS refusal).
+                if bound >= cfg.connect_attempt_timeout_s or failures == 0:
+                    last_error = f"attempt timed out after {bound:g}s"
             except EngineRpcError as exc:
                 if exc.code not in _RETRY_CODES:
                     raise
@@ -490,14 +590,14 @@ class EngineClient:
             # UNAVAILABLE, not a local error: during shutdown a request that races the close can go elsewhere.
             raise EngineRpcError(rpc, GrpcCode.UNAVAILABLE, "the engine client is closed")
 
-    def _pick_channel(self, rpc: str) -> Channel:
+    def _pick_channel(self, rpc: str) -> PooledChannel:
         self._check_open(rpc)
         return self._channels[self._next_index()]
 
     def _server_stream(
         self,
         rpc: str,
-        channel: Channel,
+        channel: PooledChannel,
         path: str,
         request: Any,
         request_type: type[Any],
@@ -522,7 +622,7 @@ class EngineClient:
         request: Any,
         trace: TraceContext | None,
         timeout_s: float | None,
-        channel: Channel | None = None,
+        channel: PooledChannel | None = None,
     ) -> _R:
         """``method`` (a stub method bound to ``channel``; default: the Control connection's) under a deadline."""
         self._check_open(rpc)
@@ -554,8 +654,10 @@ async def open_engine_client(edge: Edge, config: EngineClientConfig) -> AsyncIte
         PINNED_SCHEMA_RELEASE,
         CLIENT_REVISION,
     )
-    control, *channels = await edge.run(_aio_open_channels, config)
-    client = EngineClient(edge, config, channels, control)
+    relay = _GoawayRelay(trio.lowlevel.current_trio_token())
+    tls = TlsSource(tls_files(config)) if config.endpoint.tls else None
+    control, *channels = await edge.run(_aio_open_channels, config, tls, relay)
+    client = EngineClient(edge, config, channels, control, relay)
     try:
         yield client
     finally:
@@ -565,7 +667,9 @@ async def open_engine_client(edge: Edge, config: EngineClientConfig) -> AsyncIte
 # ---------------------------------------------------------------------- edge-loop side (asyncio)
 
 
-async def _aio_open_channels(config: EngineClientConfig) -> list[Channel]:
+async def _aio_open_channels(
+    config: EngineClientConfig, tls: TlsSource | None, relay: _GoawayRelay
+) -> list[PooledChannel]:
     """The Control connection, then ``config.connections`` for ``Generate``."""
     # Channel() binds to the running loop (asyncio.get_event_loop()), hence created here, on the edge thread.
     grpc_config = Configuration(
@@ -582,30 +686,30 @@ async def _aio_open_channels(config: EngineClientConfig) -> list[Channel]:
         http2_connection_window_size=config.connection_window_bytes,
     )
     codec = _BoundedProtoCodec(config.max_message_bytes)
-    host, port = config.endpoint.host, config.endpoint.port
-    context = tls_context(config) if config.endpoint.tls else None
-    return [Channel(host, port, codec=codec, config=grpc_config, ssl=context) for _ in range(config.connections + 1)]
+    return [
+        PooledChannel(config.endpoint, codec=codec, config=grpc_config, tls=tls, listener=relay)
+        for _ in range(config.connections + 1)
+    ]
 
 
-def tls_context(config: EngineClientConfig) -> ssl.SSLContext:
-    """A client TLS context verifying the engine with ``tls_ca``; with ``tls_cert``/``tls_key``, mutual TLS."""
+def tls_files(config: EngineClientConfig) -> TlsFiles:
+    """The TLS files of ``config`` (which must have ``tls_ca``)."""
     if config.tls_ca is None:
         raise ValueError("a TLS endpoint needs tls_ca (the CA that signed the engine's certificate)")
-    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(config.tls_ca))
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    # gRPC is HTTP/2 only: without ALPN h2 a conforming server refuses the connection.
-    context.set_alpn_protocols(["h2"])
-    if config.tls_cert is not None and config.tls_key is not None:
-        context.load_cert_chain(str(config.tls_cert), str(config.tls_key))
-    return context
+    return TlsFiles(config.tls_ca, config.tls_cert, config.tls_key, config.tls_key_password_file)
 
 
-async def _aio_close_channels(channels: list[Channel]) -> None:
+async def _aio_close_channels(channels: list[PooledChannel]) -> None:
     for channel in channels:
         channel.close()  # idempotent in grpclib: closes the transport if there is one
 
 
-async def _aio_channel_stats(channels: list[Channel]) -> list[ChannelStats]:
+async def _aio_close_draining(channels: list[PooledChannel]) -> None:
+    for channel in channels:
+        channel.close_draining()
+
+
+async def _aio_channel_stats(channels: list[PooledChannel]) -> list[ChannelStats]:
     return [
         ChannelStats(
             index=i,
@@ -621,7 +725,7 @@ async def _aio_channel_stats(channels: list[Channel]) -> list[ChannelStats]:
 _stream_limit_logged_at = -math.inf  # edge loop only
 
 
-def _note_stream_limit(rpc: str, channel: Channel) -> None:
+def _note_stream_limit(rpc: str, channel: PooledChannel) -> None:
     """Log (at most once a minute) when ``channel`` is at the engine's MAX_CONCURRENT_STREAMS: the new stream waits."""
     global _stream_limit_logged_at
     protocol = channel._protocol
@@ -652,11 +756,15 @@ async def _aio_unary(
     request: Any,
     grpc_timeout_s: float,
     metadata: list[tuple[str, str]] | None,
-    channel: Channel,
+    channel: PooledChannel,
 ) -> _R:
     _note_stream_limit(rpc, channel)
     try:
-        return await method(request, timeout=grpc_timeout_s, metadata=metadata)
+        try:
+            return await method(request, timeout=grpc_timeout_s, metadata=metadata)
+        except GoawayRefused:
+            # Nothing was sent; the channel has already dropped the draining connection and connects anew.
+            return await method(request, timeout=grpc_timeout_s, metadata=metadata)
     except Exception as exc:
         error = to_engine_rpc_error(rpc, exc)
         if error is None:
@@ -666,7 +774,7 @@ async def _aio_unary(
 
 async def _aio_server_stream(
     rpc: str,
-    channel: Channel,
+    channel: PooledChannel,
     path: str,
     request: Any,
     request_type: type[Any],
@@ -676,15 +784,30 @@ async def _aio_server_stream(
 ) -> AsyncIterator[Any]:
     _note_stream_limit(rpc, channel)
     try:
-        async with channel.request(
-            path, Cardinality.UNARY_STREAM, request_type, response_type, metadata=metadata, timeout=grpc_timeout_s
-        ) as stream:
-            await stream.send_message(request, end=True)
-            recv = stream.recv_message
-            # Ends by exhaustion only (never `break` in here): __aexit__ then reads the trailers and raises a
-            # non-OK status. Cancellation (consumer left) unwinds through __aexit__, which resets the stream.
-            while (message := await recv()) is not None:
-                yield message
+        retry = True
+        while True:
+            try:
+                async with channel.request(
+                    path,
+                    Cardinality.UNARY_STREAM,
+                    request_type,
+                    response_type,
+                    metadata=metadata,
+                    timeout=grpc_timeout_s,
+                ) as stream:
+                    await stream.send_message(request, end=True)
+                    recv = stream.recv_message
+                    # Ends by exhaustion only (never `break` in here): __aexit__ then reads the trailers and raises a
+                    # non-OK status. Cancellation (consumer left) unwinds through __aexit__, which resets the stream.
+                    while (message := await recv()) is not None:
+                        yield message
+                return
+            except GoawayRefused:
+                # Raised only while opening the stream, before anything was sent or yielded: retry once on the
+                # fresh connection the channel makes now.
+                if not retry:
+                    raise
+                retry = False
     except Exception as exc:
         error = to_engine_rpc_error(rpc, exc)
         if error is None:

@@ -52,14 +52,21 @@ class EngineClientConfig:
     startup_deadline_s: float = 1800.0
     stream_window_bytes: int = 1 * _MiB
     connection_window_bytes: int = 2 * _MiB
-    #: TLS towards an engine on another host (``endpoint.tls``): CA bundle, and a client pair for mutual TLS.
+    #: TLS towards an engine on another host (``endpoint.tls``): CA bundle, and a client pair for mutual TLS (with
+    #: the file holding the key's passphrase, if it is encrypted). Read again on a connection attempt whenever one of
+    #: them changed on disk, so rotated certificates are used without a restart.
     tls_ca: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    tls_key_password_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.endpoint, Endpoint):
             raise TypeError(f"endpoint must be an Endpoint (use parse_endpoint), not {type(self.endpoint).__name__}")
+        if self.endpoint.tls and self.tls_ca is None:
+            raise ValueError("a TLS endpoint needs tls_ca (the CA that signed the engine's certificate)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together (mutual TLS)")
         if not 1 <= self.connections <= 256:
             raise ValueError(f"connections must be in 1..256, got {self.connections}")
         if self.max_message_bytes < 1024:

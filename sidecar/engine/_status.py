@@ -16,6 +16,8 @@ from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from sidecar.errors import EngineRpcError, GrpcCode
 
+from ._transport import TransportError
+
 __all__ = ["GRPCLIB_STATUS_CODE", "to_engine_rpc_error"]
 
 # grpclib's Status and our GrpcCode mirror the same numbers; the table is spelled out (not int(status)) so that a
@@ -64,6 +66,9 @@ def to_engine_rpc_error(rpc: str, exc: BaseException) -> EngineRpcError | None:
     if isinstance(exc, StreamTerminatedError):
         # RST_STREAM from the server, GOAWAY, or the connection lost under the stream.
         return EngineRpcError(rpc, GrpcCode.UNAVAILABLE, f"stream terminated: {exc}")
+    if isinstance(exc, TransportError):
+        # Already one sentence for the operator (TLS refusal, bad socket path, GOAWAY), naming what to check.
+        return EngineRpcError(rpc, GrpcCode.UNAVAILABLE, str(exc))
     if isinstance(exc, ConnectionRefusedError):
         return EngineRpcError(rpc, GrpcCode.UNAVAILABLE, f"connection refused: {exc}")
     if isinstance(exc, OSError):

@@ -64,4 +64,6 @@ def routing_config(config: "SidecarConfig") -> RoutingConfig:
         kv_events=config.kv_events,
         load_poll_interval_s=config.load_poll_interval_s,
         load_max_age_s=config.load_max_age_s,
+        engine_tls=config.grpc_tls_ca is not None,
+        allow_plaintext_zmq=config.kv_events_allow_plaintext,
     )

@@ -42,6 +42,10 @@ class RoutingConfig:
     resync_backoff_max_s: float = 5.0
     #: A subscription that streamed this long before it broke starts again from the first backoff.
     healthy_stream_s: float = 30.0
+    #: The engine is reached over TLS (``--grpc-tls-ca``): its KV events must not cross the network in plaintext ZMQ
+    #: (they carry the token ids of every prompt) unless ``allow_plaintext_zmq`` (``--kv-events-allow-plaintext``).
+    engine_tls: bool = False
+    allow_plaintext_zmq: bool = False
 
     def __post_init__(self) -> None:
         for name in ("load_poll_interval_s", "load_timeout_s", "load_max_age_s", "discovery_timeout_s"):

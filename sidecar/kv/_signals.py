@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 from typing import TYPE_CHECKING, Final
 
@@ -11,7 +12,7 @@ import trio
 from sidecar.errors import EngineRpcError, GrpcCode
 
 from ._config import RoutingConfig, RoutingPlan
-from ._convert import UnusableSources, plan_sources
+from ._convert import UnusableSources, ZmqSource, plan_sources
 from ._load import poll_load
 from ._subscription import RankSubscription
 
@@ -19,7 +20,6 @@ if TYPE_CHECKING:
     from sidecar.convert import Capabilities
     from sidecar.dynamo import DynamoWorker
 
-    from ._convert import ZmqSource
     from ._types import KvPublisher, LoadPublisher, PublisherFactory, RoutingClient
 
 __all__ = ["DynamoPublishers", "RoutingSignals", "discover_routing", "run_routing_signals"]
@@ -64,9 +64,36 @@ async def discover_routing(
         return plan
     for warning in warnings:
         log.warning("KV event sources: %s", warning)
+    exposed = [s for s in sources.values() if isinstance(s, ZmqSource) and not _is_loopback_zmq(s.endpoint)]
+    if config.engine_tls and exposed:
+        where = ", ".join(f"rank {s.rank} at {s.endpoint}" for s in exposed)
+        if not config.allow_plaintext_zmq:
+            log.error(
+                "KV events off: the engine is reached over TLS but publishes KV events over plaintext ZMQ from a "
+                "non-loopback address (%s), which would carry every prompt's token ids readable across the network; "
+                "routing by load only (--kv-events-allow-plaintext accepts it)",
+                where,
+            )
+            return plan
+        log.warning(
+            "KV events over plaintext ZMQ from %s although the engine is reached over TLS "
+            "(--kv-events-allow-plaintext)",
+            where,
+        )
     plan = dataclasses.replace(plan, sources=sources)
     log.info("%s", plan.describe())
     return plan
+
+
+def _is_loopback_zmq(endpoint: str) -> bool:
+    """Whether the ZMQ ``tcp://host:port`` endpoint stays on this host."""
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class DynamoPublishers:

@@ -3,10 +3,12 @@
     openengine-sidecar status --ops-url ws://127.0.0.1:9345/ws [--json]
     openengine-sidecar watch  --ops-url ws://127.0.0.1:9345/ws
     openengine-sidecar probe  --grpc-endpoint 127.0.0.1:50051          # exit 0 iff Control.Health is READY
+    openengine-sidecar probe  --grpc-endpoint https://engine:50051 --grpc-tls-ca ca.pem [--grpc-tls-cert ...]
 
 ``status`` and ``watch`` read the worker's live state feed (``--ops-port``); without ``--ops-url`` they use
 ``DYN_SIDECAR_OPS_HOST``/``DYN_SIDECAR_OPS_PORT`` like the worker. ``probe`` is meant for Kubernetes exec probes of
-the engine container: it does one ``Control.Health`` call over loopback gRPC, bounded by ``--timeout-secs``.
+the engine container: it does one ``Control.Health`` call, bounded by ``--timeout-secs``, over the same transport
+as the worker (TLS with the worker's ``--grpc-tls-*`` flags and ``DYN_SIDECAR_GRPC_TLS_*`` variables, or a Unix socket).
 Exit statuses: 0 ok, 1 not ready / unreachable, 2 usage error.
 """
 
@@ -28,6 +30,8 @@ from trio_websocket import ConnectionClosed, HandshakeError, open_websocket_url
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
+    from sidecar.engine import EngineClientConfig
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
@@ -76,6 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("DYN_SIDECAR_GRPC_ENDPOINT") or "127.0.0.1:50051",
         help="the engine's OpenEngine endpoint [env DYN_SIDECAR_GRPC_ENDPOINT]",
     )
+    for flag, env, text in (
+        ("--grpc-tls-ca", "DYN_SIDECAR_GRPC_TLS_CA", "CA bundle verifying the engine's certificate; enables TLS"),
+        ("--grpc-tls-cert", "DYN_SIDECAR_GRPC_TLS_CERT", "client certificate for mutual TLS (with --grpc-tls-key)"),
+        ("--grpc-tls-key", "DYN_SIDECAR_GRPC_TLS_KEY", "client private key for mutual TLS"),
+        (
+            "--grpc-tls-key-password-file",
+            "DYN_SIDECAR_GRPC_TLS_KEY_PASSWORD_FILE",
+            "file holding the passphrase of an encrypted --grpc-tls-key",
+        ),
+    ):
+        # The worker's flags and variables, so a probe runs with the worker's own environment.
+        probe.add_argument(flag, default=os.environ.get(env) or None, help=f"{text} [env {env}]")
     probe.add_argument("--timeout-secs", type=float, default=3.0, help="bound on the whole probe")
     probe.add_argument("--quiet", action="store_true", help="print nothing, only set the exit status")
     return parser
@@ -169,12 +185,46 @@ async def _watch(url: str, timeout_s: float, duration_s: float | None, events: i
     return 0
 
 
-async def _probe(endpoint: str, timeout_s: float, quiet: bool) -> int:
+def _probe_config(args: argparse.Namespace) -> EngineClientConfig | str:
+    """The probe's engine client configuration, or the one-line usage error (exit 2)."""
+    from sidecar.engine import (
+        EndpointError,
+        EngineClientConfig,
+        TlsFilesError,
+        parse_endpoint,
+        tls_files_from_flags,
+        unix_path_problem,
+    )
+
+    try:
+        tls = tls_files_from_flags(
+            args.grpc_tls_ca, args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_key_password_file
+        )
+    except TlsFilesError as exc:
+        return str(exc)
+    try:
+        endpoint = parse_endpoint(args.grpc_endpoint, tls=tls is not None)
+    except EndpointError as exc:
+        return f"--grpc-endpoint: {exc}"
+    if endpoint.path is not None and (problem := unix_path_problem(endpoint.path)) is not None:
+        return f"--grpc-endpoint: {problem}"
+    return EngineClientConfig(
+        endpoint=endpoint,
+        connections=1,
+        rpc_timeout_s=args.timeout_secs,
+        tls_ca=tls.ca if tls else None,
+        tls_cert=tls.cert if tls else None,
+        tls_key=tls.key if tls else None,
+        tls_key_password_file=tls.key_password_file if tls else None,
+    )
+
+
+async def _probe(config: EngineClientConfig, timeout_s: float, quiet: bool) -> int:
     from sidecar.edge import open_edge
-    from sidecar.engine import EngineClientConfig, open_engine_client, parse_endpoint
+    from sidecar.engine import open_engine_client
     from sidecar.errors import EngineRpcError
 
-    config = EngineClientConfig(endpoint=parse_endpoint(endpoint), connections=1, rpc_timeout_s=timeout_s)
+    endpoint = config.endpoint
     with trio.move_on_after(timeout_s + 1) as bound:
         async with open_edge() as edge, open_engine_client(edge, config) as client:
             try:
@@ -202,7 +252,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console()
     try:
         if args.command == "probe":
-            return trio.run(_probe, args.grpc_endpoint, args.timeout_secs, args.quiet)
+            config = _probe_config(args)
+            if isinstance(config, str):
+                print(f"openengine-sidecar probe: {config}", file=sys.stderr)
+                return 2
+            return trio.run(_probe, config, args.timeout_secs, args.quiet)
         if not args.ops_url:
             parser.error("--ops-url is required (or set DYN_SIDECAR_OPS_PORT)")
         if args.command == "status":

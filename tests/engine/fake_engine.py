@@ -10,6 +10,7 @@ Control RPCs answer a minimal message; ``GetLoad`` with ``include_per_rank`` han
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
-from grpclib.server import Server, Stream
+from grpclib.protocol import H2Protocol
+from grpclib.server import Stream
 
 from openengine.v1 import generation_pb2, kv_pb2, lifecycle_pb2, lora_pb2, model_pb2, openengine_grpc, server_pb2
 from sidecar.engine import PINNED_SCHEMA_RELEASE, Endpoint
@@ -140,30 +142,59 @@ class _Control(openengine_grpc.ControlBase):
         raise GRPCError(Status.DATA_LOSS, "fake subscription ends badly")
 
 
-async def _start(recorder: Recorder, max_concurrent_streams: int) -> tuple[Server, int]:
+class _FakeServer(StreamLimitServer):
+    """The mock's server class, remembering its connections: a stopped fake drops them, like a stopped process
+    (grpclib's ``Server.close`` leaves idle connections open)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.protocols: list[H2Protocol] = []
+
+    def _protocol_factory(self) -> H2Protocol:
+        protocol = super()._protocol_factory()
+        self.protocols.append(protocol)
+        return protocol
+
+
+async def _start(
+    recorder: Recorder, max_concurrent_streams: int, context: ssl.SSLContext | None, path: str | None, port: int
+) -> tuple[_FakeServer, int]:
     # The mock's server class: its HTTP/2 stream limit per connection is ours to set (0 = none, as grpcio).
-    server = StreamLimitServer(
-        [_Inference(recorder), _Control(recorder)], max_concurrent_streams=max_concurrent_streams
-    )
-    await server.start("127.0.0.1", 0)
+    server = _FakeServer([_Inference(recorder), _Control(recorder)], max_concurrent_streams=max_concurrent_streams)
+    if path is not None:
+        await server.start(path=path)
+        return server, 0
+    await server.start("127.0.0.1", port, ssl=context)
     # uvloop's server is not an asyncio.Server, but has the same `sockets`.
     listener: Any = server._server
-    port: int = listener.sockets[0].getsockname()[1]
-    return server, port
+    bound: int = listener.sockets[0].getsockname()[1]
+    return server, bound
 
 
-async def _stop(server: Server) -> None:
+async def _stop(server: _FakeServer) -> None:
     server.close()
+    for protocol in server.protocols:
+        if hasattr(protocol, "connection"):  # not for a connection whose TLS handshake failed
+            protocol.connection.close()
     await asyncio.wait_for(server.wait_closed(), 5)
 
 
 @asynccontextmanager
-async def fake_engine(edge: Edge, *, max_concurrent_streams: int = 0) -> AsyncIterator[tuple[Endpoint, Recorder]]:
+async def fake_engine(
+    edge: Edge,
+    *,
+    max_concurrent_streams: int = 0,
+    tls: ssl.SSLContext | None = None,
+    path: str | None = None,
+    port: int = 0,
+) -> AsyncIterator[tuple[Endpoint, Recorder]]:
     """Serve the fake on ``edge``'s loop; yield its endpoint and recorder. ``max_concurrent_streams``: the HTTP/2
-    limit per connection (0 = none)."""
+    limit per connection (0 = none); ``tls``: a server context (the endpoint then says TLS); ``path``: serve on
+    that Unix socket instead of loopback TCP; ``port``: a fixed port (0 = the OS picks)."""
     recorder = Recorder()
-    server, port = await edge.run(_start, recorder, max_concurrent_streams)
+    server, bound = await edge.run(_start, recorder, max_concurrent_streams, tls, path, port)
     try:
-        yield Endpoint("127.0.0.1", port), recorder
+        endpoint = Endpoint.unix(path) if path is not None else Endpoint("127.0.0.1", bound, tls=tls is not None)
+        yield endpoint, recorder
     finally:
         await edge.run(_stop, server)

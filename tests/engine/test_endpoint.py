@@ -31,7 +31,12 @@ def test_accepted(text: str, host: str, port: int) -> None:
         ("https://engine:443", "TLS is not enabled"),
         ("grpcs://engine:443", "TLS is not enabled"),
         ("GRPCS://engine:443", "TLS is not enabled"),
-        ("unix://tmp/sock:1", "unsupported scheme 'unix'"),
+        ("unix://tmp/sock:1", "three slashes"),
+        ("unix://", "three slashes"),
+        ("unix:", "empty socket path"),
+        ("unix-abstract:engine", "abstract Unix sockets are not supported"),
+        ("unix:/" + "a" * 107, "at most 107"),
+        ("unix:/run/e\0.sock", "NUL"),
         ("ftp://engine:21", "unsupported scheme"),
         ("1http://engine:21", "malformed scheme"),
         ("http://user:pw@engine:8000", "userinfo"),
@@ -65,6 +70,30 @@ def test_accepted(text: str, host: str, port: int) -> None:
 def test_refused_with_named_problem(text: str, problem: str) -> None:
     with pytest.raises(EndpointError, match=problem):
         parse_endpoint(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "path"),
+    [
+        ("unix:///run/engine.sock", "/run/engine.sock"),
+        ("unix:/run/engine.sock", "/run/engine.sock"),
+        ("UNIX:/run/engine.sock", "/run/engine.sock"),
+        ("unix:engine.sock", "engine.sock"),
+        ("unix:run/engine.sock", "run/engine.sock"),
+        ("  unix:///a b/engine.sock\n", "/a b/engine.sock"),
+    ],
+)
+def test_unix_sockets_accepted_in_grpc_naming(text: str, path: str) -> None:
+    endpoint = parse_endpoint(text)
+    assert endpoint == Endpoint.unix(path)
+    assert (endpoint.path, endpoint.host, endpoint.tls) == (path, "localhost", False)
+    assert str(endpoint) == f"unix:{path}"
+    assert parse_endpoint(str(endpoint)) == endpoint
+
+
+def test_a_unix_socket_with_tls_is_refused_as_a_contradiction() -> None:
+    with pytest.raises(EndpointError, match=r"plaintext.*--grpc-tls-ca"):
+        parse_endpoint("unix:///run/engine.sock", tls=True)
 
 
 def test_endpoint_error_is_value_error() -> None:
