@@ -127,10 +127,15 @@ open_run() {
 names=() pids=() tiers=() codes=()
 tier_grace=(0 45 10 10)   # seconds per tier; a sidecar's default drain budget is 30 s (+ 2 s of aborts)
 
-# spawn NAME TIER CMD...: start CMD in the background; its output goes to $logs/NAME.log.
+# spawn NAME TIER CMD...: start CMD in the background; its output goes to $logs/NAME.log. Each child gets a process
+# group of its own (set -m, for that one start): a Ctrl-C in the terminal then reaches only this script, whose
+# stop_all stops the children in order -- otherwise the sidecars and their engines would all get it at once, and a
+# sidecar could not confirm its engine idle before the engine was gone.
 spawn() {
   local name=$1 tier=$2; shift 2
+  set -m
   "$@" >"$logs/$name.log" 2>&1 &
+  set +m
   names+=("$name") pids+=($!) tiers+=("$tier") codes+=("")
 }
 

@@ -184,10 +184,13 @@ start() {
   hostof[$name]=$host; cmd[$name]=$(printf '%q ' "$@")
   local a=${addr[$host]}
   [ -n "${ns[$host]}" ] && set -- ip netns exec "${ns[$host]}" "$@"
-  # env and `ip netns exec` both exec: $! is the process itself, so signals reach it.
+  # env and `ip netns exec` both exec: $! is the process itself, so signals reach it. A process group of its own
+  # (set -m for this start): a Ctrl-C in the terminal reaches only this script, which stops everything in order.
+  set -m
   env DYN_TCP_RPC_HOST="$a" DYN_TCP_RESPONSE_STREAM_HOST="$a" DYN_EVENT_PLANE_HOST="$a" DYN_SYSTEM_HOST="$a" \
     DYN_HTTP_HOST="$a" "$@" >>"$logs/$name.log" 2>&1 &
   pid[$name]=$!
+  set +m
 }
 restart() {
   echo "cluster.sh: $1 exited; restarting it"

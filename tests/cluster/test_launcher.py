@@ -3,15 +3,14 @@ ports the caller picks (so it runs next to other clusters and tests), keeps its 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-import signal
 import socket
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.deploy.sessions import run_launcher
 
 from .network import netns_unavailable
 from .topology import missing_binaries
@@ -55,23 +54,9 @@ def test_cluster_sh_demo_answers_through_both_frontends(mode: str, tmp_path: Pat
     if mode == "loopback":
         argv.append("--loopback")
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
-    with subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    ) as proc:
-        try:
-            output, _ = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # its trap stops everything and removes the namespaces
-            try:
-                output, _ = proc.communicate(timeout=90)
-            except subprocess.TimeoutExpired:
-                output = "cluster.sh did not stop on SIGTERM"
-            pytest.fail(f"cluster.sh --once did not finish within 300 s:\n{output[-4000:]}")
-        finally:
-            # Whatever happened, nothing it started outlives the test.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, output[-4000:]
+    status, output, left = run_launcher(argv, 300, env)
+    assert status == 0, output[-4000:]
+    assert not left, f"cluster.sh left processes behind: {left}"
     assert ("hosts: network namespaces" if mode == "netns" else "hosts: all on loopback") in output
     assert output.count('"choices"') == 2, output[-4000:]
     assert f"logs kept in {logs}/" in output

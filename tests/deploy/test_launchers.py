@@ -7,14 +7,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import signal
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from .sessions import kill_session
 
 LAUNCH = Path(__file__).resolve().parents[2] / "launch"
 LOCAL = (LAUNCH / "_local.sh").read_text()
@@ -57,10 +56,10 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
         try:
             out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
+            proc.kill()
             out, err = "", "timed out: it started something"
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            kill_session(proc.pid)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

@@ -17,17 +17,23 @@ reports (``--log-dir``'s ``report.json``, written by ``launch/_demo.py``) and wh
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import select
 import signal
 import subprocess
+import termios
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.deploy.sessions import kill_session, session_members
+from tests.deploy.sessions import run_launcher as run_in_session
 from tests.helpers.processes import free_low_port, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -58,23 +64,6 @@ ROWS = [
 ]
 
 
-def session_members(sid: int) -> list[str]:
-    """Processes still in the launcher's session (it ran in its own), as ``pid command`` lines."""
-    left = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[3]) == sid and int(entry.name) != sid:  # fields[3]: the session id
-            left.append(f"{entry.name} {cmdline}")
-    return left
-
-
 def run_launcher(row: Row, logs: Path) -> tuple[int, str]:
     ports = ["--http-port", str(free_port())]
     if row.disaggregated:
@@ -83,24 +72,10 @@ def run_launcher(row: Row, logs: Path) -> tuple[int, str]:
         ports += ["--system-port", str(free_low_port())]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
     argv = ["bash", str(LAUNCH / row.script), "--demo", "--once", "--log-dir", str(logs), *ports]
-    with subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    ) as proc:
-        try:
-            output, _ = proc.communicate(timeout=RUN_BOUND_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            pytest.fail(f"{row.script} did not finish within {RUN_BOUND_S} s:\n{output[-4000:]}")
-        # The launcher waits for every child; give the kernel a moment to reap, then nothing may remain.
-        deadline = time.monotonic() + 5
-        while session_members(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = session_members(proc.pid)
-        if left:
-            os.killpg(proc.pid, signal.SIGKILL)
-        assert not left, f"{row.script} left processes behind: {left}"
-        return proc.returncode, output
+    status, output, left = run_in_session(argv, RUN_BOUND_S, env)
+    assert status is not None, output[-4000:]
+    assert not left, f"{row.script} left processes behind: {left}"
+    return status, output
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[row.script.removesuffix(".sh") for row in ROWS])
@@ -162,3 +137,56 @@ def test_launcher_demo_once(row: Row, tmp_path: Path) -> None:
         loaded = report["loras"]
         assert len(loaded) == (2 if row.disaggregated else 1)
         assert all(entry["status"] == "ok" and entry["lora_name"] == "tiny-lora" for entry in loaded.values())
+
+
+def test_ctrl_c_in_a_terminal_stops_every_process_in_order(tmp_path: Path) -> None:
+    """A user's Ctrl-C: the terminal sends SIGINT to its foreground process group. Only the launcher may get it (its
+    children run in groups of their own); it then stops the sidecar first, which drains while its engine still
+    answers, then the engine, then the frontend -- all with status 0. (Had the children shared the launcher's group,
+    the engine would stop together with the sidecar, and the sidecar could not confirm it idle: exit 1.)"""
+    logs = tmp_path / "logs"
+    argv = ["bash", str(LAUNCH / "agg.sh"), "--log-dir", str(logs)]
+    argv += ["--http-port", str(free_port()), "--system-port", str(free_low_port())]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
+    master, slave = os.openpty()
+
+    def own_terminal() -> None:  # a session whose controlling terminal is the pty, like a shell's
+        os.setsid()
+        fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
+
+    output = b""
+
+    def read_until(done: Callable[[], bool], seconds: float) -> None:
+        nonlocal output
+        deadline = time.monotonic() + seconds
+        while not done() and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.5)[0]:
+                try:
+                    output += os.read(master, 65536)
+                except OSError:  # the terminal's other side closed
+                    return
+
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, preexec_fn=own_terminal)
+    os.close(slave)
+    try:
+        read_until(lambda: b"serving; Ctrl-C" in output or proc.poll() is not None, RUN_BOUND_S)
+        assert b"serving; Ctrl-C" in output, output.decode(errors="replace")[-4000:]
+        os.write(master, b"\x03")  # what the terminal sends for Ctrl-C
+        read_until(lambda: proc.poll() is not None, 120)
+        read_until(lambda: False, 1)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=90)
+        os.close(master)
+        left = session_members(proc.pid)
+        kill_session(proc.pid)
+    text = output.decode(errors="replace")
+    assert proc.returncode == 130, text[-4000:]
+    assert not left, left
+    assert "stopped (exit status): frontend 0, engine 0, sidecar 0" in text, text[-4000:]
+    sidecar = (logs / "sidecar.log").read_text()
+    assert "SIGINT" not in sidecar, "the terminal's SIGINT reached the sidecar"
+    assert "SIGTERM received: draining" in sidecar
+    assert "draining -> stopped" in sidecar
+    assert "quiescence not confirmed" not in sidecar
