@@ -193,10 +193,10 @@ check_alive() {
 
 # wait_until WHAT SECONDS CMD...: poll CMD every 0.2 s while every child lives.
 wait_until() {
-  local what=$1 deadline=$((SECONDS + $2)); shift 2
+  local what=$1 limit=$2 deadline=$((SECONDS + $2)); shift 2
   until "$@"; do
     check_alive
-    [ $SECONDS -lt $deadline ] || { echo "$script: $what: not within $((deadline - SECONDS + $2)) s; the logs:" >&2; tail_logs >&2; exit 1; }
+    [ $SECONDS -lt $deadline ] || { echo "$script: $what: not within $limit s; the logs:" >&2; tail_logs >&2; exit 1; }
     sleep 0.2
   done
 }
