@@ -35,6 +35,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 
 #: Bound on any one test (cluster start-up included): a hang fails, never blocks CI.
 TEST_BOUND = 150.0
+#: The TTL of the etcd lease every Dynamo process registers under (Dynamo 1.6.1).
+LEASE_TTL_S = 30.0
 
 
 def _ids(cluster: Cluster) -> set[int]:
@@ -151,6 +153,57 @@ async def test_a_drained_worker_leaves_both_frontends_before_it_exits_and_loses_
     record("drain: interruption seen by clients", 0.0, "12/12 in-flight complete, 12/12 new requests served")
 
 
+@pytest.mark.parametrize("cluster", [{"engine_args": ("--decode-ms-per-token", "10")}], indirect=True)
+async def test_a_killed_worker_costs_no_request_while_its_lease_runs_out(cluster: Cluster) -> None:
+    """SIGKILL: no drain, no deregistration. The dead worker stays in both frontends' instance lists until its etcd
+    lease expires (up to the 30 s TTL); every request routed to it meanwhile fails at once and, with
+    ``--migration-limit 3``, is retried on another worker, as are the requests it was serving when it died. Clients
+    see none of it: every request of a steady load through both frontends completes, whole. (With Dynamo's default
+    ``--migration-limit 0`` the same run failed 12 of 205 requests with 503.) The engine of the dead worker aborts
+    the streams whose connections dropped and ends idle."""
+    statuses: list[int] = []
+    stop = trio.Event()
+    with trio.fail_after(TEST_BOUND):
+        frontends = list(cluster.frontends.values())
+        victim = cluster.workers["w1"]
+        others = [w for w in cluster.workers.values() if w is not victim]
+        victim_id = victim.instance_id()
+        await wait_instances(frontends, _ids(cluster), timeout=30)
+
+        async def client(i: int) -> None:
+            # Bounded: at most 500 requests per client, and only until the dead worker is gone (stop).
+            for n in range(500):
+                if stop.is_set():
+                    return
+                frontend = frontends[(i + n) % len(frontends)]
+                statuses.append(await status_of(frontend.url, prompt=f"client {i} asks {n}", max_tokens=8, timeout=60))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(client, i)
+            # Kill it while it serves: its in-flight requests must be migrated too.
+            await _wait_running([victim], 1)
+            victim.sidecar.signal(signal.SIGKILL)
+            killed = time.monotonic()
+            with trio.fail_after(LEASE_TTL_S + 20):
+                for frontend in frontends:
+                    while victim_id in await frontend_instances(frontend.url):
+                        await trio.sleep(0.2)
+            gone = time.monotonic() - killed
+            await trio.sleep(2.0)  # and a little past it
+            stop.set()
+        assert await victim.sidecar.wait(5) == -signal.SIGKILL
+        await wait_engine_idle(victim.engine_address, timeout=10)
+        for worker in others:
+            assert worker.sidecar.returncode is None
+    failed = [s for s in statuses if s != 200]
+    assert not failed, f"{len(failed)} of {len(statuses)} requests failed after the SIGKILL: {sorted(set(failed))}"
+    assert len(statuses) >= 40, f"only {len(statuses)} requests: too few to say anything"
+    assert gone > 5, f"gone {gone:.1f} s after the kill: that was no lease expiry"
+    record("worker SIGKILL: killed to gone from both frontends (lease expiry)", gone)
+    record("worker SIGKILL: failed requests (--migration-limit 3)", 0.0, f"0 of {len(statuses)}")
+
+
 async def test_etcd_restart_keeps_every_worker_and_renews_leases(cluster: Cluster) -> None:
     statuses: list[int] = []
     with trio.fail_after(TEST_BOUND):
@@ -166,8 +219,8 @@ async def test_etcd_restart_keeps_every_worker_and_renews_leases(cluster: Cluste
         await cluster.start_etcd()
         up = time.monotonic()
         relisted = await wait_instances(frontends, ids, timeout=30)
-        # Longer than the 10 s lease: the restarted etcd keeps the leases only if the workers renew them.
-        while time.monotonic() - up < 12.0:
+        # Longer than the 30 s lease: the restarted etcd keeps the leases only if the workers renew them.
+        while time.monotonic() - up < LEASE_TTL_S + 2:
             for frontend in frontends:
                 statuses.append(await status_of(frontend.url, prompt="etcd back"))
             await trio.sleep(0.2)

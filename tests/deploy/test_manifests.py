@@ -6,12 +6,16 @@
   a hand-written JSON schema, since the operator's CRD is not bundled anywhere offline.
 * What the worker pods promise: loopback gRPC between the containers, Control.Health probes on the engine, probes
   on the sidecar's system port, a termination grace longer than the drain budget, flags the sidecar accepts.
+* What Dynamo's own OpenEngine sidecar examples do (``dynamo-sidecar.md`` §14.3), point by point: backendFramework
+  trtllm, explicit commands, a KV-routing frontend that migrates, the engine pinned by name and schema release,
+  JSON logs, and the Dynamo runtime version named where the image tag is not one.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +25,21 @@ import pytest
 import yaml  # type: ignore[import-untyped]
 
 from sidecar.cli import build_parser
+from sidecar.engine import PINNED_SCHEMA_RELEASE
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-MANIFESTS = ("agg.yaml", "disagg.yaml", "lora.yaml")
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+MANIFESTS = (
+    "agg.yaml",
+    "disagg.yaml",
+    "lora.yaml",
+    "disagg_lora.yaml",
+    "agg_multimodal.yaml",
+    "disagg_multimodal.yaml",
+    "agg_audio.yaml",
+)
+LORA = ("lora.yaml", "disagg_lora.yaml")
+DISAGG = ("disagg.yaml", "disagg_lora.yaml", "disagg_multimodal.yaml")
 KUBERNETES = "1.32.0"  # native sidecars (init containers with restartPolicy: Always) are GA from 1.29
 
 _NAME = {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63}
@@ -44,9 +60,13 @@ DGD_SCHEMA: dict[str, Any] = {
             "type": "object",
             "required": ["components"],
             "additionalProperties": False,
+            # v1beta1 graph-level fields (deploy/operator/api/v1beta1); v1alpha1's `envs` is not one of them: the
+            # API server would drop it without a word, so it is refused here.
             "properties": {
                 "backendFramework": {"enum": ["trtllm", "vllm", "sglang"]},
-                "envs": {"type": "array"},
+                "env": {"type": "array", "items": {"type": "object", "required": ["name"]}},
+                "annotations": {"type": "object"},
+                "labels": {"type": "object"},
                 "components": {
                     "type": "array",
                     "minItems": 2,
@@ -58,6 +78,7 @@ DGD_SCHEMA: dict[str, Any] = {
                             "name": {"type": "string", "pattern": r"^[A-Za-z][A-Za-z0-9]*$"},
                             "type": {"enum": ["frontend", "worker", "prefill", "decode", "planner"]},
                             "replicas": {"type": "integer", "minimum": 0},
+                            "runtimeVersionOverride": {"type": "string", "pattern": r"^\d{1,4}\.\d{1,4}\.\d{1,4}$"},
                             "podTemplate": {
                                 "type": "object",
                                 "required": ["spec"],
@@ -88,6 +109,24 @@ def workers(name: str) -> list[dict[str, Any]]:
     return [c for c in dgd(name)["spec"]["components"] if c["type"] != "frontend"]
 
 
+def frontend(name: str) -> dict[str, Any]:
+    (found,) = [c for c in dgd(name)["spec"]["components"] if c["type"] == "frontend"]
+    return dict(found)
+
+
+def engine_config(name: str, component: dict[str, Any]) -> dict[str, Any]:
+    """The engine's --extra_llm_api_options file, read from the ConfigMap its pod mounts."""
+    configs = {d["metadata"]["name"]: d for d in documents(name) if d["kind"] == "ConfigMap"}
+    pod = component["podTemplate"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if "configMap" in v]
+    engine = container(pod, "engine")
+    mount = next(m for m in engine["volumeMounts"] if m["name"] == volume["name"])
+    assert flag(engine["args"], "--extra_llm_api_options") == f"{mount['mountPath']}/config.yaml"
+    loaded = yaml.safe_load(configs[volume["configMap"]["name"]]["data"]["config.yaml"])
+    assert isinstance(loaded, dict)
+    return loaded
+
+
 def container(pod: dict[str, Any], name: str) -> dict[str, Any]:
     everything = [*pod.get("initContainers", []), *pod.get("containers", [])]
     (found,) = [c for c in everything if c["name"] == name]
@@ -115,6 +154,18 @@ def test_the_offline_validator_rejects_what_kubernetes_would() -> None:
         kubernetes_validate.validate(pod, KUBERNETES, strict=True)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**dgd("agg.yaml"), "spec": {"services": {}}}, DGD_SCHEMA)  # the v1alpha1 shape
+
+
+def test_the_graph_schema_refuses_fields_the_operator_would_drop() -> None:
+    """``spec.envs`` (v1alpha1's name) is silently dropped by a v1beta1 API server; ``spec.env`` is the field."""
+    graph = dgd("agg.yaml")
+    variable = [{"name": "DYN_LOG", "value": "info"}]
+    jsonschema.validate({**graph, "spec": {**graph["spec"], "env": variable}}, DGD_SCHEMA)
+    with pytest.raises(jsonschema.ValidationError, match="envs"):
+        jsonschema.validate({**graph, "spec": {**graph["spec"], "envs": variable}}, DGD_SCHEMA)
+    component = {**graph["spec"]["components"][1], "runtimeVersionOverride": "0.1.0-sidecar"}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**graph, "spec": {**graph["spec"], "components": [component]}}, DGD_SCHEMA)
 
 
 @pytest.mark.parametrize("name", MANIFESTS)
@@ -169,6 +220,7 @@ def test_worker_pods_keep_grpc_on_loopback_and_probe_both_containers(name: str) 
             assert engine[probe]["timeoutSeconds"] > 3  # longer than the RPC's own timeout
 
         env = {e["name"]: e.get("value") for e in main["env"]}
+        assert "DYN_SIDECAR_LOG_FORMAT" not in env, "the flag says it: --log-format json"
         system_port = int(env["DYN_SYSTEM_PORT"])
         assert env["DYN_SYSTEM_HOST"] == "0.0.0.0"  # the kubelet probes the pod IP
         (declared,) = main["ports"]
@@ -204,28 +256,81 @@ def test_sidecar_arguments_are_flags_the_sidecar_accepts(name: str) -> None:
         assert ns.disaggregation_mode in expected, component["name"]
 
 
-def test_disagg_engines_get_their_transceiver_config() -> None:
-    configs = {d["metadata"]["name"]: yaml.safe_load(d["data"]["config.yaml"]) for d in documents("disagg.yaml")[:-1]}
-    for component in workers("disagg.yaml"):
+@pytest.mark.parametrize("name", DISAGG)
+def test_disagg_engines_get_their_transceiver_config(name: str) -> None:
+    roles = []
+    for component in workers(name):
+        assert engine_config(name, component)["cache_transceiver_config"]["backend"] == "NIXL"
+        roles.append(flag(container(component["podTemplate"]["spec"], "main")["args"], "--disaggregation-mode"))
+    assert sorted(roles) == ["decode", "prefill"]
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_the_graph_matches_dynamos_own_sidecar_examples(name: str) -> None:
+    """backendFramework trtllm; explicit commands; a frontend that routes by KV cache and migrates; the engine pinned
+    by name and schema release; JSON logs; the Dynamo runtime version named for the sidecar image."""
+    assert dgd(name)["spec"]["backendFramework"] == "trtllm"
+    main = container(frontend(name)["podTemplate"]["spec"], "main")
+    assert main["command"] == ["python3", "-m", "dynamo.frontend"]
+    assert flag(main["args"], "--router-mode") == "kv"
+    assert int(flag(main["args"], "--migration-limit")) >= 1, "Dynamo's default 0 fails requests of a dead worker"
+    assert flag(main["args"], "--http-port") == "8000"
+    pinned = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (runtime,) = [d for d in pinned if d.startswith("ai-dynamo-runtime==")]
+    for component in workers(name):
+        assert component["runtimeVersionOverride"] == runtime.split("==")[1], component["name"]
+        sidecar = container(component["podTemplate"]["spec"], "main")
+        assert sidecar["command"] == ["openengine-sidecar"]
+        ns = build_parser().parse_args(sidecar["args"])
+        assert ns.expected_engine == "tensorrt_llm"
+        assert len(ns.expected_schema_release) >= 12
+        assert PINNED_SCHEMA_RELEASE.startswith(ns.expected_schema_release)
+        assert ns.log_format == "json"
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_context_length_is_the_engines_window(name: str) -> None:
+    for component in workers(name):
         pod = component["podTemplate"]["spec"]
-        (volume,) = [v for v in pod["volumes"] if "configMap" in v]
-        config = configs[volume["configMap"]["name"]]
-        assert config["cache_transceiver_config"]["backend"] == "NIXL"
-        engine = container(pod, "engine")
-        mount = next(m for m in engine["volumeMounts"] if m["name"] == volume["name"])
-        assert flag(engine["args"], "--extra_llm_api_options") == f"{mount['mountPath']}/config.yaml"
+        engine, main = container(pod, "engine"), container(pod, "main")
+        assert flag(main["args"], "--context-length") == flag(engine["args"], "--max_seq_len"), component["name"]
+        assert flag(main["args"], "--model-path") == engine["args"][0], "the sidecar reads the engine's tokenizer"
 
 
-def test_lora_cache_is_shared_at_the_same_path() -> None:
-    (component,) = workers("lora.yaml")
-    pod = component["podTemplate"]["spec"]
-    paths = {
-        name: {m["mountPath"] for m in container(pod, name)["volumeMounts"] if m["name"] == "lora-cache"}
-        for name in ("engine", "main")
-    }
-    assert paths["engine"] == paths["main"] == {"/lora-cache"}
-    env = {e["name"]: e.get("value") for e in container(pod, "main")["env"]}
-    assert env["DYN_LORA_PATH"] == "/lora-cache"
+@pytest.mark.parametrize(
+    ("name", "model"),
+    [
+        ("agg_multimodal.yaml", "Qwen3-VL-2B-Instruct"),
+        ("disagg_multimodal.yaml", "Qwen3-VL-2B-Instruct"),
+        ("agg_audio.yaml", "Phi-4-multimodal-instruct"),
+    ],
+)
+def test_media_manifests_serve_their_model(name: str, model: str) -> None:
+    for component in workers(name):
+        pod = component["podTemplate"]["spec"]
+        assert container(pod, "engine")["args"][0].endswith(f"/{model}")
+        config = engine_config(name, component)
+        assert config["trust_remote_code"] is True, "the processor code comes with the checkpoint"
+        if model.startswith("Phi-4"):
+            assert config["lora_config"]["max_lora_rank"] >= 320, "Phi-4 hears through its bundled speech-lora"
+
+
+@pytest.mark.parametrize("name", LORA)
+def test_lora_cache_is_shared_at_the_same_path(name: str) -> None:
+    for component in workers(name):
+        pod = component["podTemplate"]["spec"]
+        paths = {
+            box: {m["mountPath"] for m in container(pod, box)["volumeMounts"] if m["name"] == "lora-cache"}
+            for box in ("engine", "main")
+        }
+        assert paths["engine"] == paths["main"] == {"/lora-cache"}
+        env = {e["name"]: e.get("value") for e in container(pod, "main")["env"]}
+        assert env["DYN_LORA_PATH"] == "/lora-cache"
+        assert engine_config(name, component)["lora_config"]["max_loras"] >= 1
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "lora-cache"]
+        (claim,) = [d for d in documents(name) if d["kind"] == "PersistentVolumeClaim"]
+        assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"], "every pod mounts the same adapters"
 
 
 def test_containerfile() -> None:

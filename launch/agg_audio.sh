@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Aggregated audio serving on one machine, loopback only:
+#   Dynamo frontend (HTTP) -> openengine-sidecar -> an OpenEngine engine that takes audio (openengine-mock unless
+#   given). Send audio as audio_url content parts ({"type": "audio_url", "audio_url": {"url": "data:audio/wav;..."}}):
+#   the frontend drops input_audio parts (OpenAI's base64 form), and the sidecar then refuses the request (HTTP 400)
+#   rather than send the engine fewer clips than the prompt names.
+#
+# usage: launch/agg_audio.sh [--demo] [--once] [--engine HOST:PORT --model-path DIR [--served-model-name NAME]]
+#                            [--http-port N] [--system-port N] [--log-dir DIR] [-- extra openengine-sidecar flags]
+#   --demo               openengine-mock advertising supports_multimodal and the packaged tiny model (also the
+#                        default without --engine); once the worker is ready, stream one chat with two audio clips
+#                        (WAV tones made on the spot, sent as data: URLs) and print the answer; keep serving
+#   --once               send that one request, print the answer, the usage of its final chunk and the engine's load
+#                        and media afterwards, then stop everything; exit 0 only if all of it was right and every
+#                        process stopped cleanly
+#   --engine HOST:PORT   a real engine instead of openengine-mock; it must advertise ModelInfo.supports_multimodal.
+#                        For Phi-4-multimodal-instruct on TensorRT-LLM (a raw git clone of the model repository,
+#                        with its speech-lora directory; audio.yaml holds the lora_config of that bundled adapter):
+#                          trtllm-serve /models/Phi-4-multimodal-instruct --grpc --grpc-protocol openengine \
+#                            --host 127.0.0.1 --port 50051 --backend pytorch --trust_remote_code \
+#                            --max_seq_len 4096 --max_num_tokens 1024 --max_batch_size 4 \
+#                            --extra_llm_api_options audio.yaml
+#                        (deploy/agg_audio.yaml has that audio.yaml.) TensorRT-LLM's baseline OpenEngine server
+#                        reports supports_multimodal=false: against it the sidecar refuses every request with audio
+#                        with HTTP 400 before anything reaches the engine.
+#   --model-path DIR     with --engine: the model's directory (the sidecar reads its tokenizer and chat template)
+#   --served-model-name  the model name clients use (default: tiny-oe for the demo, else the directory's name)
+#   --http-port N        the frontend's HTTP port (default 8000, or DYN_HTTP_PORT)
+#   --system-port N      the sidecar's system port: /health, /live, /metrics (default 8081; at most 32767)
+#   --log-dir DIR        write every process's log there (default: a new temporary directory); kept on exit
+# Ctrl-C or SIGTERM stops everything: the sidecar first (it drains), then the engine, then the frontend.
+set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/_local.sh"
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --) shift; extra=("$@"); break ;;
+    *) agg_flag "$@"; shift "$taken" ;;
+  esac
+done
+check_agg
+mock_args=(--capability multimodal=true)
+
+open_run agg-audio
+start_frontend
+start_agg_worker "$engine" "$system_port"
+print_ready audio "$model_name"
+if [ $demo = 1 ] || [ $once = 1 ]; then
+  smoke audio || exit 1
+  engines_idle || exit 1
+fi
+[ $once = 1 ] && exit 0
+serve
