@@ -235,7 +235,7 @@ def test_guided_modes_are_xgrammars_and_choice_is_unimplemented(trt_addr: str) -
 def test_full_with_guided_accepts_choice(start_mock: StartMock) -> None:
     mock = start_mock("--profile", "full", "--capability", "guided=true")
     modes = model_info(mock.address).generation.guided_decoding.modes
-    assert model_pb2.GUIDED_DECODING_MODE_CHOICE in modes
+    assert list(modes) == [model_pb2.GUIDED_DECODING_MODE_JSON_OBJECT, model_pb2.GUIDED_DECODING_MODE_CHOICE]
     choice = make_request(max_tokens=8)
     choice.guided.choice.choices.extend(["yes", "no"])
     assert run(mock.address, choice).status == Status.OK

@@ -404,6 +404,11 @@ class Engine:
         #: Handler tasks that never end by themselves (KV event subscriptions): a stop does not wait for them.
         self.endless_tasks: set[asyncio.Task[None]] = set()
 
+    @property
+    def prefilling(self) -> int:
+        """Requests in their prefill now (``mock_stats.prefilling_requests``)."""
+        return self._counts[RequestState.PREFILL]
+
     # -- lifecycle ---------------------------------------------------------------------------------------------------
 
     async def run_startup(self) -> None:

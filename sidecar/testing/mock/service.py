@@ -205,7 +205,17 @@ class ControlService(openengine_grpc.ControlBase):
             extra.update(trtllm_supports_dp_rank_targeting=True, trtllm_supports_subagent_affinity=False)
         fill_struct(info.extra, extra)
         # Cumulative counters of what this engine served (disaggregation tests check which engine did which leg).
-        stats = {**self._engine.served, **self._engine.kv_sessions.stats, "last_media": self._engine.last_media}
+        engine = self._engine
+        stats = {
+            **engine.served,
+            **engine.kv_sessions.stats,
+            "last_media": engine.last_media,
+            # Gauges, whatever --load-report hides from GetLoad (TensorRT-LLM's shows neither): leak checks.
+            "live_requests": len(engine.live),
+            "prefilling_requests": engine.prefilling,
+            "active_kv_sessions": engine.kv_sessions.active,
+            "used_kv_blocks": engine.pool.used_blocks,
+        }
         fill_struct(info.extra, {"mock_stats": stats})
         return info
 

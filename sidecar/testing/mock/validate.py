@@ -52,8 +52,8 @@ _DECIMAL = re.compile(r"[+-]?[0-9]+")
 _REQUEST_TYPES = ("context_and_generation", "context_only")
 #: The guides TensorRT-LLM's xgrammar backend builds (``capabilities.py``), in its order; never ``choice``.
 XGRAMMAR_MODES = ("json_schema", "regex", "ebnf_grammar", "structural_tag", "json_object")
-#: The ``full`` engine also honours ``choice``.
-FULL_GUIDED_MODES = (*XGRAMMAR_MODES, "choice")
+#: The ``full`` engine's guides (with ``--capability guided=true``).
+FULL_GUIDED_MODES = ("json_object", "choice")
 #: ``Modality`` numbers (generation.proto) → names; UNSPECIFIED (0) and unknown numbers are refused.
 _MODALITIES = {1: "image", 2: "video", 3: "audio"}
 #: The mock model's media placeholders: prompt text ``<image>`` stands where ``media[i]`` (an image) goes.
@@ -525,7 +525,8 @@ def validate_request(
             if not caps.guided:
                 raise _unimplemented("guided decoding is not supported")
             if guide not in guided_modes(config):
-                raise _unimplemented(f"guided decoding mode {guide!r} is not supported by the xgrammar backend")
+                backend = "the xgrammar backend" if config.trt else "openengine-mock"
+                raise _unimplemented(f"guided decoding mode {guide!r} is not supported by {backend}")
             if guide == "json_object":
                 script = tuple(lm.encode('{"mock": true}'))
             elif guide == "choice":
