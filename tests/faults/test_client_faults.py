@@ -95,6 +95,11 @@ async def test_a_disconnect_mid_decode_reaches_the_engine_within_50_ms(
                     while (await engine_load(engine.address)).running_requests != 0:
                         await trio.sleep(0.002)
                 delays.append(time.monotonic() - closed)
+            # Each disconnect also sent Control.Abort (a reset stream alone would release the mock's request too).
+            with trio.fail_after(10):
+                while (stats := await mock_stats(engine.address)).get("aborts_by_request_id", 0) < 5:
+                    await trio.sleep(0.05)
+            assert stats["aborts_received"] == 5, stats
     print(f"disconnect → engine released: {[round(d * 1000, 1) for d in delays]} ms")
     assert statistics.median(delays) < 0.050, delays
 

@@ -63,7 +63,8 @@ async def _grpcio_streams(address: str, sigterm: Callable[[], None]) -> tuple[li
 
 
 def test_sigterm_sends_goaway_and_a_grpcio_client_gets_every_open_stream_complete(start_mock: StartMock) -> None:
-    mock = start_mock("--speedup", "1", "--decode-ms-per-token", "20")
+    # A generous grace: the streams need ~0.7 s, but a loaded machine must not cut them (the cut has its own test).
+    mock = start_mock("--speedup", "1", "--decode-ms-per-token", "20", "--stop-grace-secs", "30")
     tokens, finals, late = asyncio.run(_grpcio_streams(mock.address, lambda: mock.proc.send_signal(signal.SIGTERM)))
     assert [len(t) for t in tokens] == [40] * 8, f"every stream open at SIGTERM ran to its end\n{mock.log()}"
     assert finals == ["finished"] * 8, mock.log()
