@@ -75,7 +75,7 @@ def test_sigterm_sends_goaway_and_a_grpcio_client_gets_every_open_stream_complet
 
 
 def test_goaway_twice_then_new_streams_refused_and_the_rest_cut_after_the_grace(start_mock: StartMock) -> None:
-    mock = start_mock("--speedup", "1", "--decode-ms-per-token", "20", "--stop-grace-secs", "1")
+    mock = start_mock("--speedup", "1", "--decode-ms-per-token", "20", "--stop-grace-secs", "4")
     raw = RawH2(mock.address)
     try:
         raw.generate(1, make_request("hung", max_tokens=40, ignore_eos=True, mock={"hang_after_tokens": 2}))
@@ -92,21 +92,21 @@ def test_goaway_twice_then_new_streams_refused_and_the_rest_cut_after_the_grace(
         raw.generate(3, make_request("too-late", max_tokens=2))
         refused_at, refused = raw.read_until(RstStreamFrame, stream_id=3)
         assert refused.error_code == ErrorCodes.REFUSED_STREAM
-        assert refused_at - signalled < 1.0, "refused at once, not at the end of the grace"
+        assert refused_at - signalled < 3.0, "refused at once, not at the end of the grace"
         cut_at, cut = raw.read_until(RstStreamFrame, stream_id=1)
         raw.read_all()
     finally:
         raw.close()
     assert cut.error_code == ErrorCodes.CANCEL
-    assert cut_at - signalled >= 0.9, "the hung stream kept its grace"
+    assert cut_at - signalled >= 3.9, "the hung stream kept its grace"
     assert [m.WhichOneof("event") for _, m in raw.messages(1)] == ["token", "token"], "cut without a terminal event"
     assert len(raw.goaways()) == 2
     assert mock.proc.wait(10) == 0
 
 
 def test_idle_mock_stops_at_once(start_mock: StartMock) -> None:
-    mock = start_mock()
+    mock = start_mock("--stop-grace-secs", "30")
     assert call(mock.address, lambda ch: generate(ch, make_request(max_tokens=2))).status == Status.OK
     started = time.monotonic()
-    assert mock.stop(signal.SIGTERM) == 0
-    assert time.monotonic() - started < 4.0, "nothing open: no need to wait out the grace"
+    assert mock.stop(signal.SIGTERM, timeout=40) == 0
+    assert time.monotonic() - started < 15.0, "nothing open: no need to wait out the grace"

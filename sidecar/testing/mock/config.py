@@ -117,7 +117,8 @@ class MockConfig:
     kv_snapshot: bool = True
     #: ``(batch sequence number, fault kind)`` pairs from ``--kv-fault KIND@N``.
     kv_faults: tuple[tuple[int, str], ...] = ()
-    #: Which engine the mock behaves like (``docs/mock.md`` has the table). Flags below default per profile.
+    #: Which engine the mock behaves like (``docs/mock.md`` has the table). The dataclass defaults are the ``full``
+    #: engine's; the command line's default profile is ``trtllm`` (:func:`parse_args` fills in its defaults).
     profile: Profile = "full"
     #: ``ServerInfo.kv_connector.transfer_backend`` and ``KvSessionRef.transfer_backend``.
     kv_transfer_backend: str = "MOCK"
