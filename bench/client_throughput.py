@@ -286,6 +286,8 @@ class Mock:
             sys.executable,
             "-m",
             "sidecar.testing.mock",
+            "--profile",
+            "trtllm",
             "--port",
             "0",
             "--port-file",

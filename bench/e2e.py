@@ -212,8 +212,8 @@ async def start_mock(stack: Stack, stack_exit: AsyncExitStack, interval: int, sl
     port_file = stack.work / f"mock-{interval}-{time.monotonic_ns()}.port"
     timing = ["--speedup", "0"] if slow_ms is None else ["--speedup", "1", "--decode-ms-per-token", str(slow_ms)]
     argv = [
-        sys.executable, "-m", "sidecar.testing.mock", "--port", "0", "--port-file", str(port_file),
-        *timing, "--stream-interval", str(interval),
+        sys.executable, "-m", "sidecar.testing.mock", "--profile", "trtllm", "--port", "0",
+        "--port-file", str(port_file), *timing, "--stream-interval", str(interval),
         "--max-context-length", str(CONTEXT_LENGTH), "--kv-block-size", str(KV_BLOCK_SIZE),
         "--total-kv-blocks", str(TOTAL_KV_BLOCKS), "--max-running-requests", str(MAX_RUNNING),
         "--max-batched-tokens", str(MAX_BATCHED_TOKENS), "--log-level", "WARNING",

@@ -177,8 +177,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 def start_mock(work: Path, decode_ms: float, max_running: int) -> tuple[subprocess.Popen[bytes], str]:
     port_file = work / "port"
     argv = [
-        sys.executable, "-m", "sidecar.testing.mock", "--port", "0", "--port-file", str(port_file),
-        "--speedup", "1", "--decode-ms-per-token", str(decode_ms), "--max-context-length", "4096",
+        sys.executable, "-m", "sidecar.testing.mock", "--profile", "trtllm", "--port", "0",
+        "--port-file", str(port_file), "--speedup", "1", "--decode-ms-per-token", str(decode_ms),
+        "--max-context-length", "4096",
         "--total-kv-blocks", "262144", "--max-running-requests", str(max_running), "--max-batched-tokens", "65536",
         "--log-level", "WARNING",
     ]  # fmt: skip

@@ -84,6 +84,9 @@ class FakeEngine:
                 self.stream_closed_early += 1
 
     async def abort(self, request_id: str, *, timeout_s: float | None = None) -> AbortResponse:
+        # A real Abort is an RPC: it reaches the engine only after the call has awaited at least once, so a caller
+        # whose cancellation is not shielded never gets here.
+        await trio.lowlevel.checkpoint()
         self.aborts.append(request_id)
         return AbortResponse(status=AbortStatus.ABORTED)
 

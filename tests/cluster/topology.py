@@ -338,6 +338,9 @@ class Cluster:
             str(port_file),
             "--served-model-name",
             MODEL,
+            # KV-aware routing needs KV events and KV usage in GetLoad: the full engine.
+            "--profile",
+            "full",
             *self.engine_args,
         ]
 

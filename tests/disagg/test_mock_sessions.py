@@ -1,4 +1,6 @@
-"""``openengine-mock``'s disaggregation across two processes: held KV sessions, claims, timeouts, refusals."""
+"""``openengine-mock``'s disaggregation across two processes: held KV sessions, claims, timeouts, refusals — the
+``full`` engine (roles, MOCK connector with its endpoint, KV error codes, KV sessions in GetLoad); TensorRT-LLM's
+behaviour is pinned in ``tests/mock/test_trtllm.py``."""
 
 from __future__ import annotations
 
@@ -49,8 +51,8 @@ def error_of(outcome: Outcome) -> generation_pb2.GenerateResponse:
 
 
 def test_a_prefill_holds_its_blocks_until_the_decode_engine_claims_them(start_mock: StartMock) -> None:
-    ctx = start_mock("--role", "prefill")
-    gen = start_mock("--role", "decode")
+    ctx = start_mock("--profile", "full", "--role", "prefill")
+    gen = start_mock("--profile", "full", "--role", "decode")
     out = prefill(ctx.address)
     held = load(ctx.address)
     assert held.active_kv_sessions == 1
@@ -75,8 +77,8 @@ def test_a_prefill_holds_its_blocks_until_the_decode_engine_claims_them(start_mo
 
 
 def test_a_claimed_session_cannot_be_claimed_again(start_mock: StartMock) -> None:
-    ctx = start_mock("--role", "prefill")
-    gen = start_mock("--role", "decode")
+    ctx = start_mock("--profile", "full", "--role", "prefill")
+    gen = start_mock("--profile", "full", "--role", "decode")
     session = prefill(ctx.address).final.prefill_ready.kv_session
     assert call(gen.address, lambda ch: generate(ch, decode_of(session))).events[-1] == "finished"
     again = error_of(call(gen.address, lambda ch: generate(ch, decode_of(session))))
@@ -87,8 +89,8 @@ def test_a_claimed_session_cannot_be_claimed_again(start_mock: StartMock) -> Non
 
 
 def test_an_unknown_session_is_not_found(start_mock: StartMock) -> None:
-    ctx = start_mock("--role", "prefill")
-    gen = start_mock("--role", "decode")
+    ctx = start_mock("--profile", "full", "--role", "prefill")
+    gen = start_mock("--profile", "full", "--role", "decode")
     session = kv_pb2.KvSessionRef()
     session.CopyFrom(prefill(ctx.address).final.prefill_ready.kv_session)
     session.session_id = "999"
@@ -99,8 +101,8 @@ def test_an_unknown_session_is_not_found(start_mock: StartMock) -> None:
 
 
 def test_an_unclaimed_session_expires_and_then_is_not_found(start_mock: StartMock) -> None:
-    ctx = start_mock("--role", "prefill", "--kv-session-timeout", "0.3")
-    gen = start_mock("--role", "decode")
+    ctx = start_mock("--profile", "full", "--role", "prefill", "--kv-session-timeout", "0.3")
+    gen = start_mock("--profile", "full", "--role", "decode")
     session = prefill(ctx.address).final.prefill_ready.kv_session
     call(
         ctx.address,
@@ -113,8 +115,8 @@ def test_an_unclaimed_session_expires_and_then_is_not_found(start_mock: StartMoc
 
 
 def test_a_decode_with_another_prompt_fails_the_transfer(start_mock: StartMock) -> None:
-    ctx = start_mock("--role", "prefill")
-    gen = start_mock("--role", "decode")
+    ctx = start_mock("--profile", "full", "--role", "prefill")
+    gen = start_mock("--profile", "full", "--role", "decode")
     session = prefill(ctx.address).final.prefill_ready.kv_session
     failed = error_of(call(gen.address, lambda ch: generate(ch, decode_of(session, prompt="Something else"))))
     assert failed.error.code == error_pb2.ERROR_CODE_KV_TRANSFER_FAILED
@@ -123,8 +125,8 @@ def test_a_decode_with_another_prompt_fails_the_transfer(start_mock: StartMock) 
 
 
 def test_an_unreachable_context_engine_fails_the_transfer(start_mock: StartMock) -> None:
-    ctx = start_mock("--role", "prefill")
-    gen = start_mock("--role", "decode")
+    ctx = start_mock("--profile", "full", "--role", "prefill")
+    gen = start_mock("--profile", "full", "--role", "decode")
     session = prefill(ctx.address).final.prefill_ready.kv_session
     ctx.stop()
     failed = error_of(call(gen.address, lambda ch: generate(ch, decode_of(session))))
@@ -133,8 +135,8 @@ def test_an_unreachable_context_engine_fails_the_transfer(start_mock: StartMock)
 
 
 def test_a_decode_dropped_mid_transfer_leaves_the_session_held(start_mock: StartMock) -> None:
-    ctx = start_mock("--role", "prefill", "--speedup", "1", "--kv-transfer-ms", "1500")
-    gen = start_mock("--role", "decode")
+    ctx = start_mock("--profile", "full", "--role", "prefill", "--speedup", "1", "--kv-transfer-ms", "1500")
+    gen = start_mock("--profile", "full", "--role", "decode")
     session = prefill(ctx.address).final.prefill_ready.kv_session
     request = decode_of(session)
 
@@ -153,7 +155,7 @@ def test_a_decode_dropped_mid_transfer_leaves_the_session_held(start_mock: Start
 
 
 def test_a_first_token_that_stops_is_the_whole_answer_without_a_handoff(start_mock: StartMock) -> None:
-    ctx = start_mock("--role", "prefill")
+    ctx = start_mock("--profile", "full", "--role", "prefill")
     out = call(ctx.address, lambda ch: generate(ch, context_only(mock={"tokens": [4]})))  # 4 is an EOS id
     assert out.events == ["token", "finished"]
     assert out.finished()[0].reason == generation_pb2.FINISH_REASON_STOP
@@ -161,7 +163,7 @@ def test_a_first_token_that_stops_is_the_whole_answer_without_a_handoff(start_mo
 
 
 def test_without_a_cache_transceiver_a_context_only_request_is_a_plain_generation(start_mock: StartMock) -> None:
-    ctx = start_mock("--role", "prefill", "--no-cache-transceiver")
+    ctx = start_mock("--profile", "full", "--role", "prefill", "--no-cache-transceiver")
     out = call(ctx.address, lambda ch: generate(ch, context_only()))
     assert out.events == ["token", "finished"]
     assert out.finished()[0].reason == generation_pb2.FINISH_REASON_LENGTH
@@ -172,7 +174,7 @@ def test_without_a_cache_transceiver_a_context_only_request_is_a_plain_generatio
 
 
 def test_the_connector_reports_the_transfer_endpoint(start_mock: StartMock) -> None:
-    ctx = start_mock("--role", "prefill")
+    ctx = start_mock("--profile", "full", "--role", "prefill")
     info = call(
         ctx.address, lambda ch: openengine_grpc.ControlStub(ch).GetServerInfo(server_pb2.GetServerInfoRequest())
     )

@@ -1,5 +1,8 @@
 """End to end: the real Dynamo frontend → ``openengine-sidecar`` → ``openengine-mock``, as three processes.
 
+The engine is the mock's default profile, TensorRT-LLM's server (``--profile trtllm``); the richer ``full`` engine
+is run too where the two differ in what the client sees (stop words).
+
 Rules: loopback only, OS-picked ports (system ports below 32768: Dynamo parses them as i16), every wait bounded,
 every process killed by the fixture that started it. Clients are real OpenAI clients over HTTP (run in a thread);
 the engine's own view (GetLoad) is read with the project's OpenEngine client.
@@ -20,7 +23,15 @@ import trio
 from openai.types.chat import ChatCompletionMessageParam
 
 from tests.helpers.processes import DynamoEnv, Frontend
-from tests.helpers.stack import MODEL, dump_logs, running_requests, start_engine, start_sidecar, wait_routable
+from tests.helpers.stack import (
+    MODEL,
+    dump_logs,
+    mock_stats,
+    running_requests,
+    start_engine,
+    start_sidecar,
+    wait_routable,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -116,9 +127,10 @@ async def test_chat_and_completions_streaming_and_not_with_usage(dynamo_env: Dyn
             assert 1 <= await stack.call(stream_completion) <= 7
 
 
-async def test_n2_logprobs_stop_strings_and_max_tokens(dynamo_env: DynamoEnv, frontend: Frontend) -> None:
+@pytest.mark.parametrize("profile", ["trtllm", "full"])
+async def test_n2_logprobs_stop_strings_and_max_tokens(dynamo_env: DynamoEnv, frontend: Frontend, profile: str) -> None:
     with trio.fail_after(120):
-        async with start_stack(dynamo_env, frontend, "--speedup", "0") as stack:
+        async with start_stack(dynamo_env, frontend, "--profile", profile, "--speedup", "0") as stack:
             two = await stack.call(
                 lambda c: c.completions.create(
                     model=MODEL,
@@ -213,7 +225,8 @@ async def test_an_unsupported_feature_gets_a_400_naming_it_and_the_worker_stays_
     dynamo_env: DynamoEnv, frontend: Frontend
 ) -> None:
     with trio.fail_after(120):
-        async with start_stack(dynamo_env, frontend, "--speedup", "0") as stack:
+        # TensorRT-LLM started without a guided decoding backend advertises none.
+        async with start_stack(dynamo_env, frontend, "--speedup", "0", "--capability", "guided=false") as stack:
             with pytest.raises(openai.BadRequestError) as refused:
                 await stack.call(
                     lambda c: c.chat.completions.create(
@@ -227,6 +240,19 @@ async def test_an_unsupported_feature_gets_a_400_naming_it_and_the_worker_stays_
             assert "guided_decoding" in str(refused.value)
             ok = await stack.call(lambda c: c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4))
             assert ok.choices[0].message.content is not None
+
+
+async def test_a_json_object_response_format_is_honoured_by_default(dynamo_env: DynamoEnv, frontend: Frontend) -> None:
+    with trio.fail_after(120):
+        async with start_stack(dynamo_env, frontend, "--speedup", "0") as stack:
+            answer = await stack.call(
+                lambda c: c.chat.completions.create(
+                    model=MODEL, messages=CHAT, max_tokens=64, response_format={"type": "json_object"}
+                )
+            )
+            content = answer.choices[0].message.content
+            assert content is not None
+            assert isinstance(json.loads(content), dict), content
 
 
 async def test_a_client_that_disconnects_mid_stream_leaves_no_engine_request(
@@ -254,6 +280,11 @@ async def test_a_client_that_disconnects_mid_stream_leaves_no_engine_request(
             while await stack.running_requests() != 0:
                 assert trio.current_time() - closed_at < 1.0, "engine still running the request 1 s after disconnect"
                 await trio.sleep(0.02)
+            # Besides resetting the stream, the worker sent Control.Abort for it (the mock's abort log).
+            with trio.fail_after(10):
+                while not (stats := await mock_stats(stack.engine)).get("aborts_by_request_id"):
+                    await trio.sleep(0.05)
+            assert stats["aborts_received"] == 1, stats
 
 
 async def test_an_engine_error_mid_stream_reaches_the_client_as_an_error(

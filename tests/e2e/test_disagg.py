@@ -4,6 +4,11 @@
 Each engine's own counters (``ServerInfo.extra.mock_stats``, ``GetLoad``) prove which engine did which leg and that
 nothing is left behind: no running request, no KV session. Rules as in ``test_aggregated.py``: loopback only,
 OS-picked ports, every wait bounded, every process killed by the fixture that started it.
+
+The engines are TensorRT-LLM's server (``--profile trtllm``): they report no role, so each worker is told its phase
+(``--disaggregation-mode``), and their GetLoad shows neither KV blocks nor sessions (the leak checks read the mock's
+own gauges in ``mock_stats``). The richer ``full`` engine, which reports its role and a MOCK connector with endpoints,
+runs the main flows too.
 """
 
 from __future__ import annotations
@@ -63,24 +68,48 @@ async def engine_view(address: str) -> tuple[LoadInfo, dict[str, Any]]:
 
 
 async def wait_quiet(address: str, timeout: float = 10.0) -> tuple[LoadInfo, dict[str, Any]]:
-    """Poll until the engine runs nothing and holds no KV session; returns its final view."""
+    """Poll until the engine runs nothing and holds no KV session or block; returns its final view."""
     with trio.fail_after(timeout):
         while True:
             load, stats = await engine_view(address)
-            if load.running_requests == 0 and not load.queued_requests and load.active_kv_sessions == 0:
+            quiet = not stats.get("live_requests") and not stats.get("active_kv_sessions")
+            if quiet and not stats.get("used_kv_blocks") and not load.running_requests:
                 return load, stats
             await trio.sleep(0.02)
 
 
+#: Both engine profiles; the tests that differ only in setup run on TensorRT-LLM's alone.
+PROFILES = pytest.mark.parametrize("profile", ["trtllm", "full"])
+
+
+def engine_args(profile: str, role: str) -> tuple[str, ...]:
+    """TensorRT-LLM's engines report no role (any leg on any engine); the full engine is given its role."""
+    return ("--profile", "full", "--role", role) if profile == "full" else ("--profile", "trtllm")
+
+
+def worker_args(profile: str, role: str) -> tuple[str, ...]:
+    """A worker in front of an engine that reports no role is told its phase."""
+    return () if profile == "full" else ("--disaggregation-mode", role)
+
+
 @asynccontextmanager
 async def start_disagg(
-    denv: DynamoEnv, frontend: Frontend, *, prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = ()
+    denv: DynamoEnv,
+    frontend: Frontend,
+    *,
+    profile: str = "trtllm",
+    prefill_args: tuple[str, ...] = (),
+    decode_args: tuple[str, ...] = (),
 ) -> AsyncIterator[Disagg]:
     async with (
-        start_engine(denv, "--role", "prefill", *prefill_args, name="prefill-engine") as prefill,
-        start_engine(denv, "--role", "decode", *decode_args, name="decode-engine") as decode,
-        start_sidecar(denv, decode.address, "--abort-timeout-secs", "1", name="decode-sidecar") as decode_worker,
-        start_sidecar(denv, prefill.address, "--abort-timeout-secs", "1", name="prefill-sidecar") as prefill_worker,
+        start_engine(denv, *engine_args(profile, "prefill"), *prefill_args, name="prefill-engine") as prefill,
+        start_engine(denv, *engine_args(profile, "decode"), *decode_args, name="decode-engine") as decode,
+        start_sidecar(
+            denv, decode.address, "--abort-timeout-secs", "1", *worker_args(profile, "decode"), name="decode-sidecar"
+        ) as decode_worker,
+        start_sidecar(
+            denv, prefill.address, "--abort-timeout-secs", "1", *worker_args(profile, "prefill"), name="prefill-sidecar"
+        ) as prefill_worker,
     ):
         await wait_for_model(frontend.url, MODEL, timeout=60)
         stack = Disagg(frontend, prefill, decode, prefill_worker, decode_worker)
@@ -126,11 +155,12 @@ def stream_chat(client: openai.OpenAI, text: str, max_tokens: int) -> tuple[str,
     return answer, pieces, usage
 
 
+@PROFILES
 async def test_streamed_chat_is_prefilled_on_one_engine_and_decoded_on_the_other(
-    dynamo_env: DynamoEnv, frontend: Frontend
+    dynamo_env: DynamoEnv, frontend: Frontend, profile: str
 ) -> None:
     with trio.fail_after(150):
-        async with start_disagg(dynamo_env, frontend, prefill_args=("--speedup", "0")) as stack:
+        async with start_disagg(dynamo_env, frontend, profile=profile, prefill_args=("--speedup", "0")) as stack:
             _, before_p = await engine_view(stack.prefill.address)
             _, before_d = await engine_view(stack.decode.address)
             answer, pieces, completion = await stack.call(lambda c: stream_chat(c, "Tell me about the river.", 12))
@@ -151,8 +181,8 @@ async def test_streamed_chat_is_prefilled_on_one_engine_and_decoded_on_the_other
             assert unary.usage is not None
             assert unary.usage.completion_tokens == 12
 
-            load_p, stats_p = await wait_quiet(stack.prefill.address)
-            load_d, stats_d = await wait_quiet(stack.decode.address)
+            _, stats_p = await wait_quiet(stack.prefill.address)
+            _, stats_d = await wait_quiet(stack.decode.address)
             # Prefill on one engine, decode on the other: two requests, two legs each.
             assert stats_p.get("prefill_legs", 0) - before_p.get("prefill_legs", 0) == 2
             assert stats_p.get("decode_legs", 0) == 0
@@ -163,8 +193,8 @@ async def test_streamed_chat_is_prefilled_on_one_engine_and_decoded_on_the_other
             # Every session handed off was claimed by the decode engine; none expired.
             assert stats_p["kv_sessions_created"] == stats_p["kv_sessions_claimed"]
             assert stats_p.get("kv_sessions_expired", 0) == 0
-            assert load_p.used_kv_blocks == 0
-            assert load_d.used_kv_blocks == 0
+            assert stats_p["used_kv_blocks"] == 0
+            assert stats_d["used_kv_blocks"] == 0
 
 
 async def test_32_concurrent_disaggregated_requests_complete_and_leave_nothing_behind(
@@ -200,10 +230,10 @@ async def test_32_concurrent_disaggregated_requests_complete_and_leave_nothing_b
 
             load_p, stats_p = await wait_quiet(stack.prefill.address)
             load_d, stats_d = await wait_quiet(stack.decode.address)
-            assert load_p.running_requests == 0
-            assert load_p.active_kv_sessions == 0
-            assert load_d.running_requests == 0
-            assert load_d.active_kv_sessions == 0
+            assert not load_p.running_requests
+            assert stats_p["active_kv_sessions"] == 0
+            assert not load_d.running_requests
+            assert stats_d["active_kv_sessions"] == 0
             assert stats_p["prefill_legs"] - before_p.get("prefill_legs", 0) == 32
             assert stats_d["decode_legs"] - before_d.get("decode_legs", 0) == 32
             assert stats_p["kv_sessions_claimed"] - before_p.get("kv_sessions_claimed", 0) == 32
@@ -235,14 +265,14 @@ async def test_a_client_gone_before_the_first_decode_token_strands_no_kv_session
                         assert not line.startswith('data: {"id"') or '"content"' not in line, "no token yet"
             gone_at = trio.current_time()
             # Deferred, then aborted: the session was claimed (not stranded), and the decode engine stopped.
-            load_p, stats_p = await wait_quiet(stack.prefill.address, timeout=10)
-            load_d, _ = await wait_quiet(stack.decode.address, timeout=10)
+            _, stats_p = await wait_quiet(stack.prefill.address, timeout=10)
+            _, stats_d = await wait_quiet(stack.decode.address, timeout=10)
             waited = trio.current_time() - gone_at
             assert waited < 5, f"the decode leg ran on for {waited:.1f} s after the client left"
             assert stats_p["kv_sessions_claimed"] - before_p.get("kv_sessions_claimed", 0) == 1
             assert stats_p.get("kv_sessions_expired", 0) == 0
-            assert load_p.used_kv_blocks == 0
-            assert load_d.used_kv_blocks == 0
+            assert stats_p["used_kv_blocks"] == 0
+            assert stats_d["used_kv_blocks"] == 0
             await stack.decode_worker.process.wait_for_log(r"client stop deferred until the KV transfer lands", 5)
 
 
@@ -262,15 +292,19 @@ async def test_a_prefill_engine_error_reaches_the_client_and_no_decode_runs(
             assert ok[2] == 4, "the workers keep serving"
 
 
+@PROFILES
 async def test_a_prefill_engine_without_a_cache_transceiver_fails_saying_why(
-    dynamo_env: DynamoEnv, frontend: Frontend
+    dynamo_env: DynamoEnv, frontend: Frontend, profile: str
 ) -> None:
+    prefill_engine = (*engine_args(profile, "prefill"), "--no-cache-transceiver")
     with trio.fail_after(150):
         async with (
-            start_engine(dynamo_env, "--role", "prefill", "--no-cache-transceiver", name="prefill-engine") as prefill,
-            start_engine(dynamo_env, "--role", "decode", name="decode-engine") as decode,
-            start_sidecar(dynamo_env, decode.address, name="decode-sidecar"),
-            start_sidecar(dynamo_env, prefill.address, name="prefill-sidecar") as prefill_worker,
+            start_engine(dynamo_env, *prefill_engine, name="prefill-engine") as prefill,
+            start_engine(dynamo_env, *engine_args(profile, "decode"), name="decode-engine") as decode,
+            start_sidecar(dynamo_env, decode.address, *worker_args(profile, "decode"), name="decode-sidecar"),
+            start_sidecar(
+                dynamo_env, prefill.address, *worker_args(profile, "prefill"), name="prefill-sidecar"
+            ) as prefill_worker,
         ):
             await wait_for_model(frontend.url, MODEL, timeout=60)
             await prefill_worker.process.wait_for_log(r"reports no KV connector", 5)
@@ -288,17 +322,23 @@ async def test_a_prefill_engine_without_a_cache_transceiver_fails_saying_why(
                     else:
                         await trio.sleep(0.2)
             assert events[0]["status"] >= 400 or "error" in events[0]["body"]
-            await prefill_worker.process.wait_for_log(r"no PrefillReady: .*cache_transceiver_config", 5)
-            load, _ = await wait_quiet(prefill.address)
-            assert load.active_kv_sessions == 0
+            # TensorRT-LLM fails the context-only request (EngineError INTERNAL naming the missing transceiver);
+            # the full engine serves it as a plain one-token generation, which the worker refuses to hand off.
+            said = (
+                r"cache_transceiver_config" if profile == "trtllm" else r"no PrefillReady: .*cache_transceiver_config"
+            )
+            await prefill_worker.process.wait_for_log(said, 5)
+            _, stats = await wait_quiet(prefill.address)
+            assert stats["active_kv_sessions"] == 0
 
 
+@PROFILES
 async def test_a_dead_decode_engine_is_a_migratable_error_and_the_orphan_session_times_out(
-    dynamo_env: DynamoEnv, frontend: Frontend
+    dynamo_env: DynamoEnv, frontend: Frontend, profile: str
 ) -> None:
     with trio.fail_after(150):
         async with start_disagg(
-            dynamo_env, frontend, prefill_args=("--speedup", "0", "--kv-session-timeout", "2")
+            dynamo_env, frontend, profile=profile, prefill_args=("--speedup", "0", "--kv-session-timeout", "2")
         ) as stack:
             _, before_p = await engine_view(stack.prefill.address)
             stack.decode.process.signal(signal.SIGKILL)
@@ -315,8 +355,8 @@ async def test_a_dead_decode_engine_is_a_migratable_error_and_the_orphan_session
             # The prefill leg handed its session off, but no decode claimed it: the prefill engine holds it until its
             # --kv-session-timeout, then releases it (counted as expired).
             load_p, stats_p = await engine_view(stack.prefill.address)
-            assert load_p.running_requests == 0
+            assert not load_p.running_requests
             assert stats_p["kv_sessions_created"] - before_p.get("kv_sessions_created", 0) == 1
-            load_p, stats_p = await wait_quiet(stack.prefill.address, timeout=10)
+            _, stats_p = await wait_quiet(stack.prefill.address, timeout=10)
             assert stats_p.get("kv_sessions_expired", 0) == 1
-            assert load_p.used_kv_blocks == 0
+            assert stats_p["used_kv_blocks"] == 0

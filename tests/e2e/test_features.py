@@ -29,8 +29,9 @@ async def chat(url: str, **body: Any) -> httpx.Response:
 
 async def test_advertised_features_reach_the_engine(dynamo_env: DynamoEnv, frontend: Frontend) -> None:
     with trio.fail_after(120):
+        # The full engine: guided choice and priority (TensorRT-LLM offers neither).
         async with engine_and_worker(
-            dynamo_env, frontend, "--capability", "guided=true", "--capability", "priority=true"
+            dynamo_env, frontend, "--profile", "full", "--capability", "guided=true", "--capability", "priority=true"
         ) as engine:
             url = frontend.url
             answer = await chat(url, max_tokens=32, response_format={"type": "json_object"})
@@ -75,8 +76,16 @@ async def test_advertised_features_reach_the_engine(dynamo_env: DynamoEnv, front
 
 async def test_unadvertised_features_are_refused_before_any_rpc(dynamo_env: DynamoEnv, frontend: Frontend) -> None:
     with trio.fail_after(120):
+        # TensorRT-LLM's server without a guided decoding backend, cache salt or prompt logprobs.
         async with engine_and_worker(
-            dynamo_env, frontend, "--capability", "cache_salt=false", "--capability", "prompt_logprobs=false"
+            dynamo_env,
+            frontend,
+            "--capability",
+            "guided=false",
+            "--capability",
+            "cache_salt=false",
+            "--capability",
+            "prompt_logprobs=false",
         ) as engine:
             url = frontend.url
             before = await mock_stats(engine)

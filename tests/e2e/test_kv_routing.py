@@ -61,7 +61,11 @@ async def test_a_repeated_long_prompt_lands_on_the_worker_holding_its_prefix(dyn
         try:
             async with AsyncExitStack() as engines, httpx.AsyncClient(timeout=30) as http:
                 addresses = [
-                    (await engines.enter_async_context(start_engine(denv, "--speedup", "0", name=f"engine{i}"))).address
+                    (
+                        await engines.enter_async_context(
+                            start_engine(denv, "--profile", "full", "--speedup", "0", name=f"engine{i}")
+                        )
+                    ).address
                     for i in range(2)
                 ]
                 # -- KV-aware routing ------------------------------------------------------------------------------

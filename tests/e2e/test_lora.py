@@ -34,6 +34,9 @@ from tests.helpers.stack import MODEL, Worker, dump_logs, start_engine, start_si
 
 pytestmark = pytest.mark.e2e
 
+#: The richer engine: LoRA lifecycle RPCs (TensorRT-LLM's answer UNIMPLEMENTED); no model-time delays.
+FULL = ("--profile", "full", "--speedup", "0")
+
 PROMPT = [{"role": "user", "content": "Tell me about the river and the old mill."}]
 FAST_WATCH = (
     "--health-poll-interval-secs", "0.2", "--health-failure-threshold", "2", "--grpc-retry-interval-secs", "0.2",
@@ -97,7 +100,7 @@ async def lora_stack(
     denv: DynamoEnv, frontend: Frontend, root: Path, *, port: int = 0
 ) -> AsyncIterator[tuple[str, Worker]]:
     async with (
-        start_engine(denv, "--speedup", "0", "--capability", "lora=true", "--max-loras", "2", port=port) as engine,
+        start_engine(denv, *FULL, "--capability", "lora=true", "--max-loras", "2", port=port) as engine,
         start_sidecar(denv, engine.address, "--lora-root", str(root), *FAST_WATCH) as worker,
     ):
         await wait_routable(frontend.url, workers=1)
@@ -250,9 +253,7 @@ async def test_a_new_worker_adopts_the_engines_adapters_and_an_engine_restart_re
     engine holds; an engine that restarts empty gets every served adapter loaded again before the worker serves."""
     port = free_port()
     with trio.fail_after(150):
-        async with start_engine(
-            dynamo_env, "--speedup", "0", "--capability", "lora=true", port=port, name="engine-1"
-        ) as engine:
+        async with start_engine(dynamo_env, *FULL, "--capability", "lora=true", port=port, name="engine-1") as engine:
             async with start_sidecar(dynamo_env, engine.address, "--lora-root", str(lora_root), name="w1") as first:
                 await wait_routable(frontend.url, workers=1)
                 body = {"lora_name": "tiny-lora-a", "source_path": str(lora_root / "tiny-lora-a")}
@@ -273,7 +274,7 @@ async def test_a_new_worker_adopts_the_engines_adapters_and_an_engine_restart_re
                 engine.process.proc.kill()
                 await second.process.wait_for_log(r"serving -> reconnecting", timeout=15)
                 async with start_engine(
-                    dynamo_env, "--speedup", "0", "--capability", "lora=true", port=port, name="engine-2"
+                    dynamo_env, *FULL, "--capability", "lora=true", port=port, name="engine-2"
                 ) as restarted:
                     await second.process.wait_for_log(r"reloaded after the engine restart", timeout=30)
                     await second.process.wait_for_log(r"(?s)reconnecting.*registering -> serving", timeout=30)
@@ -288,7 +289,7 @@ async def test_a_lost_lora_card_is_published_again(dynamo_env: DynamoEnv, fronte
     the base card."""
     with trio.fail_after(90):
         async with (
-            start_engine(dynamo_env, "--speedup", "0", "--capability", "lora=true") as engine,
+            start_engine(dynamo_env, *FULL, "--capability", "lora=true") as engine,
             start_sidecar(
                 dynamo_env, engine.address, "--lora-root", str(lora_root), "--registration-check-interval-secs", "0.2"
             ) as worker,

@@ -21,6 +21,9 @@ from tests.helpers.stack import MODEL, engine_and_worker, mock_stats
 
 pytestmark = pytest.mark.e2e
 
+#: The richer engine (TensorRT-LLM refuses any media).
+FULL = ("--profile", "full")
+
 WAV = "data:audio/wav;base64,UklGRiQAAABXQVZFZm10IBAAAAABAAEAQB8AAIA+AAACABAAZGF0YQAAAAA="
 PNG = (
     "data:image/png;base64,"
@@ -59,7 +62,7 @@ async def test_media_reach_the_engine_in_message_order(
     the caller's uuid, whether the engine takes the rendered prompt (text input) or the token ids."""
     with trio.fail_after(120):
         async with engine_and_worker(
-            dynamo_env, frontend, "--capability", "multimodal=true", "--capability", f"text_input={text_input}"
+            dynamo_env, frontend, *FULL, "--capability", "multimodal=true", "--capability", f"text_input={text_input}"
         ) as engine:
             before = await mock_stats(engine)
             answer = await chat(
@@ -86,7 +89,7 @@ async def test_media_that_cannot_be_ordered_or_sent_are_refused(dynamo_env: Dyna
     refuses), an ``input_audio`` part the frontend dropped (the sidecar refuses: the order would be wrong), and
     per-request media options OpenEngine cannot carry (the sidecar refuses)."""
     with trio.fail_after(120):
-        async with engine_and_worker(dynamo_env, frontend, "--capability", "multimodal=true") as engine:
+        async with engine_and_worker(dynamo_env, frontend, *FULL, "--capability", "multimodal=true") as engine:
             url = frontend.url
             answer = await chat(url, text("<audio> then <image>"), image(PNG), audio(WAV))
             assert answer.status_code == 400, answer.text
@@ -109,7 +112,7 @@ async def test_media_refused_when_the_engine_is_not_multimodal(dynamo_env: Dynam
     """Without ``supports_multimodal`` a chat with media is a 400 naming ``multi_modal_data``, before any RPC;
     the same chat without media is served."""
     with trio.fail_after(120):
-        async with engine_and_worker(dynamo_env, frontend) as engine:
+        async with engine_and_worker(dynamo_env, frontend, *FULL) as engine:
             before = await mock_stats(engine)
             answer = await chat(frontend.url, text("What is this?"), image(PNG))
             assert answer.status_code == 400, answer.text

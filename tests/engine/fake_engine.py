@@ -118,8 +118,12 @@ class _Control(openengine_grpc.ControlBase):
         await self._unary("Health", stream, lifecycle_pb2.HealthResponse(state=lifecycle_pb2.HEALTH_STATE_READY))
 
     async def Abort(self, stream: Stream[Any, Any]) -> None:
-        reply = lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED)
-        await self._unary("Abort", stream, reply)
+        # Recorded once the request message has arrived, as an engine acts on it: a client that gives up before
+        # sending it has not aborted anything.
+        request = await stream.recv_message()
+        assert request is not None
+        self.recorder.record("Abort", stream)
+        await stream.send_message(lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED))
 
     async def LoadLora(self, stream: Stream[Any, Any]) -> None:
         await self._unary("LoadLora", stream, lora_pb2.LoadLoraResponse())

@@ -104,16 +104,14 @@ async def wait_idle(client: EngineClient, within: float = CANCEL_VISIBLE_WITHIN)
 async def test_every_control_rpc(client: EngineClient) -> None:
     with trio.fail_after(TEST_BOUND):
         info = await client.get_server_info()
-        assert info.engine_name == "openengine-mock"
+        assert info.engine_name == "tensorrt_llm"  # the mock's default profile is TensorRT-LLM's server
         assert check_server_compat(info) == []
         assert "tiny-oe" in info.supported_models
 
         model = await client.get_model_info("tiny-oe")
         assert model.served_model_name == "tiny-oe"
-        with pytest.raises(EngineRpcError) as caught:
-            await client.get_model_info("no-such-model")
-        assert caught.value.code is GrpcCode.NOT_FOUND
-        assert caught.value.rpc == "GetModelInfo"
+        # A single-model TensorRT-LLM server resolves any name to its model (never NOT_FOUND).
+        assert (await client.get_model_info("no-such-model")).served_model_name == "tiny-oe"
 
         load = await client.get_load()
         assert not load.running_requests
@@ -199,15 +197,15 @@ async def test_generate_streams_tokens_then_finish(client: EngineClient) -> None
     assert messages[-1].usage.completion_tokens == 16
 
 
-async def test_generate_rejected_model_is_an_rpc_error_with_no_batches(client: EngineClient) -> None:
+async def test_generate_rejected_request_is_an_rpc_error_with_no_batches(client: EngineClient) -> None:
     request = make_request()
-    request.model = "no-such-model"
+    request.lora_name = "no-such-adapter"  # TensorRT-LLM: lora_name is UNIMPLEMENTED
     batches: list[Any] = []
     with trio.fail_after(TEST_BOUND), pytest.raises(EngineRpcError) as caught:
         await collect(client, request, into=batches)
     assert batches == []
     assert caught.value.rpc == "Generate"
-    assert caught.value.code in (GrpcCode.NOT_FOUND, GrpcCode.INVALID_ARGUMENT)
+    assert caught.value.code is GrpcCode.UNIMPLEMENTED
 
 
 async def test_metadata_reaches_the_engine(client: EngineClient) -> None:
@@ -401,7 +399,7 @@ async def test_wait_connected_retries_until_a_late_engine_listens(edge: Edge) ->
                 with trio.fail_after(20):
                     while not result:
                         await trio.sleep(0.05)
-            assert result[0].engine_name == "openengine-mock"
+            assert result[0].engine_name == "tensorrt_llm"
 
 
 async def test_wait_connected_fails_with_one_clear_error(edge: Edge, caplog: pytest.LogCaptureFixture) -> None:

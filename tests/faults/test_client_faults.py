@@ -13,7 +13,15 @@ import pytest
 import trio
 
 from tests.helpers.processes import DynamoEnv, Frontend
-from tests.helpers.stack import MODEL, engine_load, start_engine, start_sidecar, wait_engine_idle, wait_routable
+from tests.helpers.stack import (
+    MODEL,
+    engine_load,
+    mock_stats,
+    start_engine,
+    start_sidecar,
+    wait_engine_idle,
+    wait_routable,
+)
 
 from ._client import stream_completion
 
@@ -62,8 +70,8 @@ async def test_a_disconnect_during_prefill_releases_the_engine_request(
                 with trio.fail_after(10):
                     while (await engine_load(engine.address)).running_requests != 1:
                         await trio.sleep(0.01)
-                load = await engine_load(engine.address)
-                assert load.prefill_batch_size == 1, "still in prefill when the client leaves"
+                stats = await mock_stats(engine.address)  # TensorRT-LLM's GetLoad does not say
+                assert stats["prefilling_requests"] == 1, "still in prefill when the client leaves"
                 nursery.cancel_scope.cancel()
             assert await wait_engine_idle(engine.address, timeout=1.0) < 1.0
 
@@ -87,6 +95,11 @@ async def test_a_disconnect_mid_decode_reaches_the_engine_within_50_ms(
                     while (await engine_load(engine.address)).running_requests != 0:
                         await trio.sleep(0.002)
                 delays.append(time.monotonic() - closed)
+            # Each disconnect also sent Control.Abort (a reset stream alone would release the mock's request too).
+            with trio.fail_after(10):
+                while (stats := await mock_stats(engine.address)).get("aborts_by_request_id", 0) < 5:
+                    await trio.sleep(0.05)
+            assert stats["aborts_received"] == 5, stats
     print(f"disconnect → engine released: {[round(d * 1000, 1) for d in delays]} ms")
     assert statistics.median(delays) < 0.050, delays
 

@@ -35,8 +35,10 @@ async def test_a_worker_started_before_its_engine_waits_then_serves(dynamo_env: 
 
 
 async def test_a_slow_model_load_is_waited_on_in_starting(dynamo_env: DynamoEnv, frontend: Frontend) -> None:
+    # An engine that listens while loading and says STARTING: the full engine. TensorRT-LLM keeps its port closed
+    # until loaded instead (the worker-before-engine test above).
     with trio.fail_after(90):
-        async with start_engine(dynamo_env, "--speedup", "0", "--startup-delay", "3") as engine:
+        async with start_engine(dynamo_env, "--profile", "full", "--speedup", "0", "--startup-delay", "3") as engine:
             started = trio.current_time()
             async with start_sidecar(dynamo_env, engine.address, *FAST) as worker:
                 assert trio.current_time() - started >= 2.5, "registered before the engine was READY"
@@ -49,7 +51,7 @@ async def test_a_slow_model_load_is_waited_on_in_starting(dynamo_env: DynamoEnv,
     [
         (("--schema-release", "main"), (), "main"),
         (("--schema-release", "0123456789abcdef0123456789abcdef"), (), "0123456789abcdef"),
-        ((), ("--expected-engine", "tensorrt_llm"), "tensorrt_llm"),
+        ((), ("--expected-engine", "vllm"), "vllm"),
         (("--model-alias", "other-model"), (), "--model"),
     ],
     ids=["moving-schema-name", "other-schema-release", "wrong-engine", "several-models-without-model"],

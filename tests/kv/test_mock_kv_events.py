@@ -30,7 +30,7 @@ TIMEOUT = 60
 @asynccontextmanager
 async def mock_client(*flags: str) -> AsyncIterator[EngineClient]:
     async with (
-        start_mock(*flags) as mock,
+        start_mock("--profile", "full", *flags) as mock,  # KV events over gRPC: the full engine
         open_edge() as edge,
         open_engine_client(edge, EngineClientConfig(endpoint=mock.endpoint, connections=1)) as client,
     ):

@@ -91,7 +91,7 @@ async def setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *mock_flags: st
     monkeypatch.setenv("DYN_SELF_HOST_METADATA", "0")
     monkeypatch.setenv("HOME", str(tmp_path))
     async with (
-        start_mock("--total-kv-blocks", "12", *mock_flags) as mock,
+        start_mock("--profile", "full", "--total-kv-blocks", "12", *mock_flags) as mock,
         open_edge() as edge,
         open_engine_client(edge, EngineClientConfig(endpoint=mock.endpoint, connections=2)) as client,
     ):

@@ -97,15 +97,31 @@ def start_mock(tmp_path: Path) -> Iterator[StartMock]:
 
 @pytest.fixture(scope="session")
 def mock_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MockProcess]:
-    """One default mock (``--speedup 0``) shared by the tests that only need default behaviour."""
-    mock = _start(tmp_path_factory.mktemp("mock"), ())
+    """One ``--profile full`` mock (``--speedup 0``) shared by the tests of the richer engine's behaviour."""
+    mock = _start(tmp_path_factory.mktemp("mock"), ("--profile", "full"))
     yield mock
     mock.kill()
 
 
 @pytest.fixture
 def addr(mock_server: MockProcess) -> str:
-    """The shared mock's address (``host:port``); fails the test if the process died."""
+    """The shared ``full`` mock's address (``host:port``); fails the test if the process died."""
     if mock_server.proc.poll() is not None:
         pytest.fail(f"the shared openengine-mock died:\n{mock_server.log()}")
     return mock_server.address
+
+
+@pytest.fixture(scope="session")
+def trtllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MockProcess]:
+    """One default mock (``--profile trtllm``, ``--speedup 0``): TensorRT-LLM's merged server."""
+    mock = _start(tmp_path_factory.mktemp("mock-trtllm"), ())
+    yield mock
+    mock.kill()
+
+
+@pytest.fixture
+def trt_addr(trtllm_server: MockProcess) -> str:
+    """The shared default (``trtllm``) mock's address; fails the test if the process died."""
+    if trtllm_server.proc.poll() is not None:
+        pytest.fail(f"the shared openengine-mock died:\n{trtllm_server.log()}")
+    return trtllm_server.address

@@ -167,7 +167,7 @@ def test_health_ready_with_probe(addr: str) -> None:
     [("not_ready", lifecycle_pb2.HEALTH_STATE_NOT_READY), ("degraded", lifecycle_pb2.HEALTH_STATE_DEGRADED)],
 )
 def test_forced_health(start_mock: StartMock, flag: str, state: int) -> None:
-    mock = start_mock("--health", flag)
+    mock = start_mock("--profile", "full", "--health", flag)
     resp = call(mock.address, lambda ch: control(ch).Health(lifecycle_pb2.HealthRequest()))
     assert resp.state == state
     assert {c.name: c.state for c in resp.checks} == {"grpc": lifecycle_pb2.HEALTH_STATE_READY, "model": state}
@@ -284,7 +284,7 @@ def test_lora_rpcs_unimplemented_by_default(addr: str) -> None:
 
 
 def test_lora_lifecycle(start_mock: StartMock, tmp_path: os.PathLike[str]) -> None:
-    mock = start_mock("--capability", "lora=true", "--max-loras", "1")
+    mock = start_mock("--profile", "full", "--capability", "lora=true", "--max-loras", "1")
     path = os.fspath(tmp_path)
 
     async def run(ch: Channel) -> None:
@@ -330,8 +330,8 @@ def test_lora_lifecycle(start_mock: StartMock, tmp_path: os.PathLike[str]) -> No
 
 
 def test_disaggregated_roles(start_mock: StartMock) -> None:
-    prefill = start_mock("--role", "prefill")
-    decode = start_mock("--role", "decode")
+    prefill = start_mock("--profile", "full", "--role", "prefill")
+    decode = start_mock("--profile", "full", "--role", "decode")
 
     async def on_prefill(ch: Channel) -> tuple[Outcome, Outcome, server_pb2.ServerInfo]:
         plain = await generate(ch, make_request(max_tokens=4))
@@ -366,7 +366,7 @@ def test_disaggregated_roles(start_mock: StartMock) -> None:
 def test_mock_stats_count_request_features(start_mock: StartMock) -> None:
     from sidecar.testing.mock.structs import struct_to_dict
 
-    mock = start_mock("--capability", "priority=true", "--capability", "guided=true", "--speedup", "0")
+    mock = start_mock("--profile", "full", "--capability", "priority=true", "--capability", "guided=true")
     salted = make_request(max_tokens=2)
     salted.kv.cache_salt = "tenant-a"
     guided = make_request(max_tokens=8)

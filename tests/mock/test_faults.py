@@ -169,7 +169,7 @@ def test_unknown_violation_is_invalid(addr: str) -> None:
 
 
 def test_startup_delay_reports_starting_then_ready(start_mock: StartMock) -> None:
-    mock = start_mock("--startup-delay", "3")
+    mock = start_mock("--profile", "full", "--startup-delay", "3")
 
     async def run(ch: Channel) -> None:
         stub = openengine_grpc.ControlStub(ch)

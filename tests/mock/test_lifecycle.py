@@ -43,45 +43,6 @@ def test_sigint_exits_zero(start_mock: StartMock) -> None:
     assert mock.stop(signal.SIGINT) == 0
 
 
-def test_sigterm_lets_open_streams_finish(start_mock: StartMock) -> None:
-    mock = start_mock("--speedup", "1", "--decode-ms-per-token", "20")
-
-    async def run(ch: Channel) -> tuple[Outcome, Outcome]:
-        task = asyncio.create_task(generate(ch, make_request(max_tokens=40, ignore_eos=True)))
-        await wait_for_load(ch, lambda load: load.running_requests >= 1)
-        mock.proc.send_signal(signal.SIGTERM)
-        stub = openengine_grpc.ControlStub(ch)
-        while (await stub.Health(lifecycle_pb2.HealthRequest())).state != lifecycle_pb2.HEALTH_STATE_NOT_READY:
-            await asyncio.sleep(0.01)  # bounded by call()'s timeout
-        refused = await generate(ch, make_request(max_tokens=2))
-        return await task, refused
-
-    finished, refused = call(mock.address, run)
-    assert finished.status == Status.OK
-    assert finished.final.finished.reason == generation_pb2.FINISH_REASON_LENGTH
-    assert (refused.status, refused.messages) == (Status.UNAVAILABLE, [])
-    assert mock.proc.wait(10) == 0
-
-
-@pytest.mark.slow
-def test_sigterm_cuts_hung_streams_after_the_grace(start_mock: StartMock) -> None:
-    mock = start_mock()
-
-    async def run(ch: Channel) -> tuple[Outcome, float]:
-        task = asyncio.create_task(generate(ch, make_request(max_tokens=40, mock={"hang_after_tokens": 2})))
-        await wait_for_load(ch, lambda load: load.running_requests >= 1)
-        started = time.monotonic()
-        mock.proc.send_signal(signal.SIGTERM)
-        out = await task
-        return out, time.monotonic() - started
-
-    out, elapsed = call(mock.address, run)
-    assert out.events == ["token", "token"]
-    assert out.status != Status.OK, "the stream was cut without a terminal event"
-    assert 4.0 < elapsed < 9.0
-    assert mock.proc.wait(10) == 0
-
-
 class _Garbage:
     """A "request" whose serialization is not a GenerateRequest."""
 
@@ -134,7 +95,7 @@ def test_oversized_request_is_refused(addr: str) -> None:
 
 def test_requests_queue_for_kv_blocks(start_mock: StartMock) -> None:
     # 8 blocks of 16 tokens; each request needs ceil((prompt + 100) / 16) = 7 blocks, so only one runs at a time.
-    mock = start_mock("--total-kv-blocks", "8")
+    mock = start_mock("--profile", "full", "--total-kv-blocks", "8")
     first_id = new_id("kv-first")
 
     async def run(ch: Channel) -> tuple[int, Outcome, Outcome]:
@@ -154,13 +115,13 @@ def test_requests_queue_for_kv_blocks(start_mock: StartMock) -> None:
 
 
 def test_too_big_for_the_pool_is_invalid(start_mock: StartMock) -> None:
-    mock = start_mock("--total-kv-blocks", "4")
+    mock = start_mock("--profile", "full", "--total-kv-blocks", "4")
     out = call(mock.address, lambda ch: generate(ch, make_request(max_tokens=100)))
     assert (out.status, out.messages) == (Status.INVALID_ARGUMENT, [])
 
 
 def test_abort_a_queued_request(start_mock: StartMock) -> None:
-    mock = start_mock("--max-running-requests", "1")
+    mock = start_mock("--profile", "full", "--max-running-requests", "1")
     first_id, second_id = new_id("run"), new_id("queued")
 
     async def run(ch: Channel) -> Outcome:
@@ -182,7 +143,9 @@ def test_abort_a_queued_request(start_mock: StartMock) -> None:
 
 
 def test_model_time_with_speedup(start_mock: StartMock) -> None:
-    mock = start_mock("--speedup", "2", "--decode-ms-per-token", "40", "--prefill-tokens-per-s", "1000")
+    mock = start_mock(
+        "--profile", "full", "--speedup", "2", "--decode-ms-per-token", "40", "--prefill-tokens-per-s", "1000"
+    )
 
     async def run(ch: Channel) -> tuple[float, Outcome]:
         started = time.monotonic()

@@ -108,7 +108,7 @@ def test_min_tokens_suppresses_eos(addr: str) -> None:
 
 
 def test_default_max_tokens_fills_the_window(start_mock: StartMock) -> None:
-    mock = start_mock("--max-context-length", "64")
+    mock = start_mock("--profile", "full", "--max-context-length", "64")
     out = run(mock.address, make_request(max_tokens=None, ignore_eos=True, token_ids=[268, 395]))
     assert out.final.usage.completion_tokens == 62
     assert out.finished()[0].reason == LENGTH
@@ -253,7 +253,7 @@ def test_cache_salt_separates_prefixes(addr: str) -> None:
 
 
 def test_stream_interval_batches_tokens(start_mock: StartMock) -> None:
-    mock = start_mock("--stream-interval", "4")
+    mock = start_mock("--profile", "full", "--stream-interval", "4")
     out = run(mock.address, make_request(max_tokens=10, ignore_eos=True, seed=2))
     sizes = [len(m.token.tokens) for m in out.messages if m.WhichOneof("event") == "token"]
     assert sizes == [4, 4, 2]
@@ -283,7 +283,7 @@ def test_context_only_ends_with_prefill_ready_then_decode_replays(addr: str) -> 
 
 
 def test_guided_json_object_when_enabled(start_mock: StartMock) -> None:
-    mock = start_mock("--capability", "guided=true")
+    mock = start_mock("--profile", "full", "--capability", "guided=true")
     req = make_request(max_tokens=50)
     req.guided.json_object.SetInParent()
     out = run(mock.address, req)

@@ -176,7 +176,7 @@ def test_empty_routing_key(addr: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_priority_metadata_when_supported(start_mock: StartMock) -> None:
-    mock = start_mock("--capability", "priority=true")
+    mock = start_mock("--profile", "full", "--capability", "priority=true")
     addr = mock.address
 
     async def run(ch: Channel) -> tuple[Outcome, Outcome]:

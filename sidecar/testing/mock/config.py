@@ -5,16 +5,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
+import os
+import stat
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, NoReturn
+
+from .faults import VIOLATIONS
 
 __all__ = [
     "CAPABILITY_NAMES",
     "KV_FAULT_KINDS",
+    "PROFILES",
     "SCHEMA_RELEASE_FULL",
     "SCHEMA_RELEASE_PREFIX",
+    "TRTLLM_ENGINE_NAME",
     "Capabilities",
     "MockConfig",
     "build_parser",
@@ -25,9 +31,19 @@ __all__ = [
 SCHEMA_RELEASE_FULL = "768a93c7b44e40f28c692ad0b471a8f2"
 SCHEMA_RELEASE_PREFIX = SCHEMA_RELEASE_FULL[:12]
 
+#: ``ServerInfo.engine_name`` of TensorRT-LLM's server, which the ``trtllm`` profiles report.
+TRTLLM_ENGINE_NAME = "tensorrt_llm"
+
+Profile = Literal["trtllm", "full", "trtllm-newer"]
+#: ``--profile`` values: ``trtllm`` = TensorRT-LLM's merged server (PR #17992, the default); ``trtllm-newer`` = the
+#: same plus its open follow-ups where they differ; ``full`` = the richer engine the mock has always been.
+PROFILES: tuple[Profile, ...] = ("trtllm", "full", "trtllm-newer")
 Role = Literal["aggregated", "prefill", "decode", "unspecified"]
 HealthFlag = Literal["ready", "not_ready", "degraded"]
 KvEventsFlag = Literal["grpc", "zmq", "disabled", "unimplemented"]
+#: ``GetLoad`` detail: TensorRT-LLM's baseline (``running_requests`` only), its newer opt-in routing load (KV blocks,
+#: ``ranks[]``), or everything the mock knows.
+LoadReport = Literal["minimal", "routing", "full"]
 #: ``--kv-fault`` kinds (``kvevents.py``): what happens to one batch of the KV event stream.
 KV_FAULT_KINDS = ("gap", "repeat", "drop", "error", "eof")
 
@@ -72,7 +88,8 @@ class MockConfig:
     total_kv_blocks: int = 4096
     max_running_requests: int = 256
     max_batched_tokens: int = 8192
-    max_num_sequences: int = 4
+    #: ``None``: not advertised and not limited (TensorRT-LLM leaves it unset).
+    max_num_sequences: int | None = 4
     max_top_n: int = 20
     max_loras: int = 4
     #: HTTP/2 streams one client connection may hold at once; 0 = no limit (grpcio, TensorRT-LLM's server, sends none).
@@ -100,11 +117,45 @@ class MockConfig:
     kv_snapshot: bool = True
     #: ``(batch sequence number, fault kind)`` pairs from ``--kv-fault KIND@N``.
     kv_faults: tuple[tuple[int, str], ...] = ()
+    #: Which engine the mock behaves like (``docs/mock.md`` has the table). The dataclass defaults are the ``full``
+    #: engine's; the command line's default profile is ``trtllm`` (:func:`parse_args` fills in its defaults).
+    profile: Profile = "full"
+    #: ``ServerInfo.kv_connector.transfer_backend`` and ``KvSessionRef.transfer_backend``.
+    kv_transfer_backend: str = "MOCK"
+    load_report: LoadReport = "full"
+    #: SIGTERM/SIGINT: how long open streams may run after the GOAWAY before they are cut (grpc-core's grace).
+    stop_grace_secs: float = 5.0
+    #: Milliseconds between an output's last token message and its ``finished`` (0: written back to back).
+    split_finish_ms: float = 0.0
+    #: CPU burnt per detokenized token (microseconds): the engine-side cost ``extra.detokenize=false`` saves.
+    detokenize_cost_us: float = 0.0
+    #: A ``violation`` applied to every ``Generate`` (the conformance kit's misbehaving engine).
+    fault_violation: str | None = None
+    #: Serve on this Unix domain socket instead of TCP.
+    uds: Path | None = None
 
     @property
     def model_names(self) -> tuple[str, ...]:
         """The served name first, then the aliases (``ServerInfo.supported_models``)."""
         return (self.served_model_name, *self.model_aliases)
+
+    @property
+    def trt(self) -> bool:
+        """TensorRT-LLM's semantics (``trtllm`` and ``trtllm-newer``) rather than the richer ``full`` engine's."""
+        return self.profile != "full"
+
+    @property
+    def reports_kv_connector(self) -> bool:
+        """``ServerInfo.kv_connector`` is sent: TensorRT-LLM whenever a cache transceiver is configured; the ``full``
+        engine only for the prefill/decode roles."""
+        if self.no_cache_transceiver:
+            return False
+        return self.trt or self.role in ("prefill", "decode")
+
+    @property
+    def newer(self) -> bool:
+        """TensorRT-LLM's open follow-up PRs (``trtllm-newer``)."""
+        return self.profile == "trtllm-newer"
 
 
 def _schema_release(value: str) -> str:
@@ -171,28 +222,89 @@ def _package_version() -> str:
         return "0.0.0"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one line per bad flag (the usage banner would bury the problem), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _refuse(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    parser.error(message)
+
+
+#: Per-profile defaults of the flags a profile decides (an explicit flag always wins).
+_PROFILE_DEFAULTS: dict[Profile, dict[str, object]] = {
+    "full": {
+        "engine_name": "openengine-mock",
+        "role": "aggregated",
+        "schema_release": "full",
+        "kv_events": "grpc",
+        "guided": False,
+        "max_num_sequences": 4,
+        "kv_transfer_backend": "MOCK",
+        "load_report": "full",
+    },
+    "trtllm": {
+        "engine_name": TRTLLM_ENGINE_NAME,
+        "role": "unspecified",
+        "schema_release": "prefix",
+        "kv_events": "unimplemented",
+        "guided": True,
+        "max_num_sequences": None,
+        "kv_transfer_backend": "NIXL",
+        "load_report": "minimal",
+    },
+    "trtllm-newer": {
+        "engine_name": TRTLLM_ENGINE_NAME,
+        "role": "unspecified",
+        "schema_release": "full",
+        "kv_events": "zmq",
+        "guided": True,
+        "max_num_sequences": None,
+        "kv_transfer_backend": "NIXL",
+        "load_report": "routing",
+    },
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The flag set of ``docs/mock.md`` (plus a few documented extras)."""
-    p = argparse.ArgumentParser(prog="openengine-mock", description="A simulated OpenEngine v0.1.0 engine.")
+    p = _Parser(prog="openengine-mock", description="A simulated OpenEngine v0.1.0 engine.")
     d = MockConfig()
+    p.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default="trtllm",
+        help="which engine to behave like: trtllm = TensorRT-LLM's merged server, trtllm-newer = plus its open "
+        "follow-ups, full = the richer engine (roles, MOCK connector, rich GetLoad, KV events over gRPC); "
+        "sets the defaults marked [profile] [%(default)s]",
+    )
     p.add_argument("--host", default=d.host, help="listen address [%(default)s]")
     p.add_argument("--port", type=int, default=d.port, help="listen port; 0 = the OS picks [%(default)s]")
-    p.add_argument("--port-file", type=Path, default=None, help="write HOST:PORT here (atomically) once listening")
+    p.add_argument("--uds", default=None, help="serve on this Unix domain socket instead of TCP")
+    p.add_argument("--port-file", type=Path, default=None, help="write HOST:PORT (or unix://PATH) here once listening")
     p.add_argument("--model-dir", type=Path, default=None, help="tokenizer/model directory [packaged tiny model]")
     p.add_argument("--served-model-name", default=d.served_model_name, help="[%(default)s]")
     p.add_argument("--model-alias", action="append", default=[], help="extra accepted model name (repeatable)")
-    p.add_argument("--role", choices=["aggregated", "prefill", "decode", "unspecified"], default=d.role)
-    p.add_argument("--engine-name", default=d.engine_name)
-    p.add_argument("--engine-version", default=None, help="[the openengine-sidecar package version]")
+    p.add_argument("--role", choices=["aggregated", "prefill", "decode", "unspecified"], default=None, help="[profile]")
+    p.add_argument("--engine-name", default=None, help="[profile: tensorrt_llm or openengine-mock]")
+    p.add_argument(
+        "--engine-version", default=None, help="[the package version; +openengine-mock under the trtllm profiles]"
+    )
     p.add_argument("--instance-id", default=None, help="[openengine-mock-<random hex>]")
-    p.add_argument("--schema-release", default="full", help="full | prefix | empty | a literal string [%(default)s]")
+    p.add_argument("--schema-release", default=None, help="full | prefix | empty | a literal string [profile]")
     p.add_argument("--max-context-length", type=_positive_int, default=d.max_context_length)
-    p.add_argument("--max-output-tokens", type=_positive_int, default=None)
+    p.add_argument(
+        "--max-output-tokens", type=_positive_int, default=None, help="[trtllm: the context length; else unset]"
+    )
     p.add_argument("--kv-block-size", type=_positive_int, default=d.kv_block_size)
     p.add_argument("--total-kv-blocks", type=_positive_int, default=d.total_kv_blocks)
     p.add_argument("--max-running-requests", type=_positive_int, default=d.max_running_requests)
     p.add_argument("--max-batched-tokens", type=_positive_int, default=d.max_batched_tokens)
-    p.add_argument("--max-num-sequences", type=_positive_int, default=d.max_num_sequences)
+    p.add_argument(
+        "--max-num-sequences", type=_positive_int, default=None, help="[profile: full 4; trtllm unset, no limit]"
+    )
     p.add_argument("--max-top-n", type=int, default=d.max_top_n)
     p.add_argument("--max-loras", type=_positive_int, default=d.max_loras, help="resident LoRA adapters [%(default)s]")
     p.add_argument(
@@ -212,11 +324,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=BOOL",
-        help=f"advertise/accept a feature; NAME in {', '.join(CAPABILITY_NAMES)} (repeatable)",
+        help=f"advertise/accept a feature; NAME in {', '.join(CAPABILITY_NAMES)} (repeatable) [guided: profile]",
     )
     p.add_argument("--health", choices=["ready", "not_ready", "degraded"], default=d.health)
     p.add_argument("--fault-exit-after-requests", type=_positive_int, default=None, metavar="N")
     p.add_argument("--fault-health-delay-ms", type=_non_negative_float, default=0.0, metavar="MS")
+    p.add_argument(
+        "--fault-violation",
+        choices=VIOLATIONS,
+        default=None,
+        metavar="KIND",
+        help=f"break the stream contract of every Generate this way; KIND in {', '.join(VIOLATIONS)}",
+    )
     p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS with this certificate (and --tls-key)")
     p.add_argument("--tls-key", type=Path, default=None)
     p.add_argument("--tls-client-ca", type=Path, default=None, help="require client certificates signed by this CA")
@@ -227,6 +346,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--stall-timeout", type=_positive_float, default=d.stall_timeout, help="stalled-consumer watchdog seconds"
+    )
+    p.add_argument(
+        "--stop-grace-secs",
+        type=_non_negative_float,
+        default=d.stop_grace_secs,
+        help="after SIGTERM/SIGINT (GOAWAY sent), open streams may run this long before they are cut [%(default)s]",
+    )
+    p.add_argument(
+        "--split-finish-ms",
+        type=_non_negative_float,
+        default=d.split_finish_ms,
+        help="write an output's last token message alone and its finished this many ms later [%(default)s]",
+    )
+    p.add_argument(
+        "--detokenize-cost-us",
+        type=_non_negative_float,
+        default=d.detokenize_cost_us,
+        help="CPU microseconds burnt per detokenized token (what extra.detokenize=false saves) [%(default)s]",
     )
     p.add_argument(
         "--kv-session-timeout",
@@ -241,19 +378,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="model time of one KV transfer to a decode engine (divided by --speedup)",
     )
     p.add_argument(
+        "--kv-transfer-backend",
+        default=None,
+        help="the KV connector's transfer backend label [profile: NIXL under trtllm, MOCK under full]",
+    )
+    p.add_argument(
         "--no-cache-transceiver",
         action="store_true",
         help="behave like TensorRT-LLM without cache_transceiver_config: no kv_connector, and a context-only "
-        "request is a plain one-token generation (finished LENGTH, no PrefillReady)",
+        "request fails (trtllm: EngineError INTERNAL) or is a plain one-token generation (full)",
+    )
+    p.add_argument(
+        "--load-report",
+        choices=["minimal", "routing", "full"],
+        default=None,
+        help="GetLoad detail: minimal = running_requests only (trtllm), routing = + KV blocks and ranks "
+        "(trtllm-newer), full = everything (full) [profile]",
     )
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument(
         "--kv-events",
         choices=["grpc", "zmq", "disabled", "unimplemented"],
-        default=d.kv_events,
+        default=None,
         help="grpc: stream KV events over SubscribeKvEvents; zmq: publish them on a ZeroMQ PUB socket (vLLM msgpack) "
         "advertised by GetKvEventSources; disabled: no sources; unimplemented: both KV-event RPCs answer "
-        "UNIMPLEMENTED, as TensorRT-LLM's baseline [%(default)s]",
+        "UNIMPLEMENTED [profile: trtllm unimplemented, trtllm-newer zmq, full grpc]",
     )
     p.add_argument(
         "--kv-snapshot",
@@ -272,32 +421,81 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Longest Unix socket path the kernel takes (``sun_path`` holds 108 bytes including the terminating NUL).
+_MAX_UDS_PATH = 107
+
+
+def _check_uds(parser: argparse.ArgumentParser, text: str) -> Path:
+    if not text:
+        _refuse(parser, "--uds: the socket path is empty")
+    path = Path(text)
+    raw = os.fsencode(text)
+    if len(raw) > _MAX_UDS_PATH:
+        _refuse(parser, f"--uds: {str(path)!r} is {len(raw)} bytes long; a Unix socket path holds {_MAX_UDS_PATH}")
+    parent = path.parent
+    if not parent.is_dir():
+        _refuse(parser, f"--uds: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        _refuse(parser, f"--uds: cannot create a socket in {str(parent)!r} (permission denied)")
+    if (path.exists() or path.is_symlink()) and not stat.S_ISSOCK(path.lstat().st_mode):
+        _refuse(parser, f"--uds: {str(path)!r} exists and is not a socket")
+    return path
+
+
+def _check_tls(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    if ns.tls_client_ca is not None and ns.tls_cert is None:
+        _refuse(parser, "--tls-client-ca needs --tls-cert and --tls-key (client certificates are checked over TLS)")
+    if (ns.tls_cert is None) != (ns.tls_key is None):
+        given, missing = ("--tls-cert", "--tls-key") if ns.tls_key is None else ("--tls-key", "--tls-cert")
+        _refuse(parser, f"{given} needs {missing}")
+    for flag, path in (("--tls-cert", ns.tls_cert), ("--tls-key", ns.tls_key), ("--tls-client-ca", ns.tls_client_ca)):
+        if path is not None and not path.is_file():
+            _refuse(parser, f"{flag}: {str(path)!r} is not a readable file")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> MockConfig:
     """Parse ``argv`` (default ``sys.argv[1:]``) into a :class:`MockConfig`; exits with status 2 on bad flags."""
     parser = build_parser()
     ns = parser.parse_args(argv)
     if ns.max_top_n < 0:
-        parser.error("--max-top-n must be >= 0")
-    caps = dataclasses.replace(Capabilities(), **dict(ns.capability))
+        _refuse(parser, "--max-top-n must be >= 0")
+    _check_tls(parser, ns)
+    uds = _check_uds(parser, ns.uds) if ns.uds is not None else None
+    profile: Profile = ns.profile
+    pd = _PROFILE_DEFAULTS[profile]
+
+    def pick(name: str) -> Any:
+        value = getattr(ns, name)
+        return pd[name] if value is None else value
+
+    caps = dataclasses.replace(Capabilities(guided=bool(pd["guided"])), **dict(ns.capability))
+    version = ns.engine_version
+    if version is None:
+        version = _package_version() + ("+openengine-mock" if profile != "full" else "")
+    max_output_tokens = ns.max_output_tokens
+    if max_output_tokens is None and profile == "trtllm":
+        max_output_tokens = ns.max_context_length  # TensorRT-LLM's baseline reports max_seq_len here
     return MockConfig(
+        profile=profile,
         host=ns.host,
         port=ns.port,
+        uds=uds,
         port_file=ns.port_file,
         model_dir=ns.model_dir,
         served_model_name=ns.served_model_name,
         model_aliases=tuple(ns.model_alias),
-        role=ns.role,
-        engine_name=ns.engine_name,
-        engine_version=ns.engine_version if ns.engine_version is not None else _package_version(),
+        role=pick("role"),
+        engine_name=pick("engine_name"),
+        engine_version=version,
         instance_id=ns.instance_id or f"openengine-mock-{uuid.uuid4().hex[:12]}",
-        schema_release=_schema_release(ns.schema_release),
+        schema_release=_schema_release(pick("schema_release")),
         max_context_length=ns.max_context_length,
-        max_output_tokens=ns.max_output_tokens,
+        max_output_tokens=max_output_tokens,
         kv_block_size=ns.kv_block_size,
         total_kv_blocks=ns.total_kv_blocks,
         max_running_requests=ns.max_running_requests,
         max_batched_tokens=ns.max_batched_tokens,
-        max_num_sequences=ns.max_num_sequences,
+        max_num_sequences=pick("max_num_sequences"),
         max_top_n=ns.max_top_n,
         max_loras=ns.max_loras,
         max_concurrent_streams=ns.max_concurrent_streams,
@@ -310,16 +508,22 @@ def parse_args(argv: Sequence[str] | None = None) -> MockConfig:
         health=ns.health,
         fault_exit_after_requests=ns.fault_exit_after_requests,
         fault_health_delay_ms=ns.fault_health_delay_ms,
+        fault_violation=ns.fault_violation,
         faults_from_prompt=ns.faults_from_prompt,
         tls_cert=ns.tls_cert,
         tls_key=ns.tls_key,
         tls_client_ca=ns.tls_client_ca,
         stall_timeout=ns.stall_timeout,
+        stop_grace_secs=ns.stop_grace_secs,
+        split_finish_ms=ns.split_finish_ms,
+        detokenize_cost_us=ns.detokenize_cost_us,
         kv_session_timeout=ns.kv_session_timeout,
         kv_transfer_ms=ns.kv_transfer_ms,
+        kv_transfer_backend=pick("kv_transfer_backend"),
         no_cache_transceiver=ns.no_cache_transceiver,
+        load_report=pick("load_report"),
         log_level=ns.log_level.upper(),
-        kv_events=ns.kv_events,
+        kv_events=pick("kv_events"),
         kv_snapshot=ns.kv_snapshot,
         kv_faults=tuple(ns.kv_fault),
     )

@@ -47,7 +47,7 @@ from .kvsessions import KvClaimError, KvSessionStore, claim_session, prompt_dige
 from .lmapi import context_seed, output_seed, seeded_uniform
 from .structs import fill_struct
 from .textstream import OutputText
-from .validate import PROMPT_LOGPROB_LIMIT, Rejection, RequestPlan, validate_request
+from .validate import PROMPT_LOGPROB_LIMIT, Rejection, ReplayLogprob, RequestPlan, validate_request
 
 if TYPE_CHECKING:
     from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
@@ -68,6 +68,37 @@ _Token = tuple[int, float | None, int | None, Sequence[tuple[int, float]]]
 _LOGPROB_FLOOR = -9999.0
 _BATCH_SLOWDOWN = 64.0
 _PROBE_TIMEOUT_S = 30.0
+
+
+def _burn_cpu(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU time (a stand-in for the work of a real detokenizer)."""
+    end = time.thread_time_ns() + int(seconds * 1e9)
+    while time.thread_time_ns() < end:
+        pass
+
+
+def _first_gen_log_probs(token: _Token, top_n: int) -> float | list[list[float]]:
+    """One position of ``PrefillReady``'s ``first_gen_log_probs``: the logprob alone without candidates, else
+    ``[token_id, logprob, rank]`` for the top-``top_n`` candidates and the sampled token (TensorRT-LLM's shape)."""
+    token_id, logprob, rank, candidates = token
+    assert logprob is not None
+    if top_n <= 0:
+        return _clamp(logprob)
+    triples = [[float(cid), _clamp(clp), float(r)] for r, (cid, clp) in enumerate(candidates, 1)]
+    if all(cid != token_id for cid, _ in candidates):
+        triples.append([float(token_id), _clamp(logprob), float(rank if rank is not None else len(triples) + 1)])
+    return triples
+
+
+def _replayed(token_id: int, entry: ReplayLogprob, top_n: int) -> _Token:
+    """The decode leg's replayed first token with the logprob data its ``first_gen_log_probs`` carried."""
+    if isinstance(entry, float):
+        return (token_id, entry, None, ())
+    own = next(((lp, rank) for tid, lp, rank in entry if tid == token_id), None)
+    candidates = [(tid, lp) for tid, lp, rank in sorted(entry, key=lambda t: t[2]) if rank <= top_n]
+    if own is None:
+        return (token_id, None, None, candidates)
+    return (token_id, own[0], own[1], candidates)
 
 
 class RequestState(enum.Enum):
@@ -183,6 +214,7 @@ class _Output:
         "parent",
         "pending",
         "replay",
+        "replay_logprobs",
         "script",
         "script_eos",
         "script_pos",
@@ -199,6 +231,7 @@ class _Output:
         self.finished = False
         self.pending: list[_Token] = []
         self.replay = collections.deque(plan.session.replay_tokens if plan.session is not None else ())
+        self.replay_logprobs = collections.deque(plan.session.replay_logprobs if plan.session is not None else ())
         #: Tokens to emit instead of sampling (``extra.mock.tokens`` or a guided text), then EOS if ``script_eos``.
         self.script = plan.script
         self.script_eos = plan.script_ends_with_eos
@@ -226,6 +259,8 @@ class _Emitter:
         self._stall_timeout = stall_timeout
         self._first = True
         self._with_logprobs = request.plan.output_logprobs
+        #: ``cumulative_deltas``: every token event so far per output, repeated in front of the next one.
+        self._sent: dict[int, tuple[list[_Token], list[str]]] = {}
 
     async def _send(self, response: generation_pb2.GenerateResponse, *, terminal: bool) -> None:
         req, violation = self._req, self._violation
@@ -282,6 +317,11 @@ class _Emitter:
                 info.candidates.add(token_id=cid, logprob=_clamp(clp), token=token_text(cid), rank=r)
 
     async def token(self, index: int, tokens: Sequence[_Token], text: str) -> None:
+        if self._violation == "cumulative_deltas":
+            seen_tokens, seen_text = self._sent.setdefault(index, ([], []))
+            seen_tokens.extend(tokens)
+            seen_text.append(text)
+            tokens, text = list(seen_tokens), "".join(seen_text)
         response = self._response()
         event = response.token
         event.output_index = index
@@ -312,7 +352,7 @@ class _Emitter:
                 setattr(event.stop_match, stop[0], stop[1])
         if message:
             event.message = message
-        if last:
+        if last or self._violation == "usage_on_every_finish":
             response.usage.CopyFrom(self._req.usage())
         await self._send(response, terminal=last)
 
@@ -366,6 +406,13 @@ class Engine:
         self._eos = frozenset(lm.eos_token_ids)
         self._idle = asyncio.Event()
         self._idle.set()
+        #: Handler tasks that never end by themselves (KV event subscriptions): a stop does not wait for them.
+        self.endless_tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def prefilling(self) -> int:
+        """Requests in their prefill now (``mock_stats.prefilling_requests``)."""
+        return self._counts[RequestState.PREFILL]
 
     # -- lifecycle ---------------------------------------------------------------------------------------------------
 
@@ -435,6 +482,12 @@ class Engine:
         """Serve an accepted request to its end; never raises for application failures (they become events)."""
         try:
             await self._run(req, send, drop)
+        except asyncio.CancelledError:
+            if not req.terminal_sent:
+                # The client cancelled the RPC (RST_STREAM) or the connection went: freed below, like TRT's
+                # done-callback abort. Counted apart from Control.Abort so tests can tell the two apart.
+                self.served["requests_cancelled"] += 1
+            raise
         finally:
             self._finish(req)
 
@@ -443,6 +496,10 @@ class Engine:
         em = _Emitter(req, send, self.lm, stall_timeout=self.config.stall_timeout)
         outputs: list[_Output] = []
         try:
+            if plan.deferred_error is not None:
+                log.warning("request %r failed after submission: %s", plan.request_id, plan.deferred_error)
+                await em.error(error_pb2.ERROR_CODE_INTERNAL, plan.deferred_error, False)
+                return
             await self._admit(req)
             await self._prefill(req)
             kind = "prefill_legs" if plan.context_only else "decode_legs" if plan.session is not None else "requests"
@@ -467,6 +524,7 @@ class Engine:
                 await self._decode(req, em, outputs, drop)
         except _Aborted:
             log.info("request %r aborted", plan.request_id)
+            self.served["requests_aborted"] += 1
             await self._cancel(req, em, outputs, "aborted")
         except _Stalled:
             log.warning("request %r: response consumer stalled for %.0f s", plan.request_id, self.config.stall_timeout)
@@ -476,7 +534,9 @@ class Engine:
         except KvClaimError as exc:
             log.warning("request %r: KV transfer failed: %s", plan.request_id, exc.message)
             self.served["decode_kv_failures"] += 1
-            await em.error(exc.code, exc.message, False)
+            # TensorRT-LLM reports every failed transfer as a plain executor error; the full engine names it.
+            code = error_pb2.ERROR_CODE_INTERNAL if self.config.trt else exc.code
+            await em.error(code, exc.message, False)
         except Exception as exc:
             log.exception("request %r failed", plan.request_id)
             if not req.terminal_sent:
@@ -592,7 +652,8 @@ class Engine:
             if plan.seed is not None
             else int.from_bytes(hashlib.blake2b(plan.request_id.encode(), digest_size=8).digest(), "little")
         )
-        need_text = plan.detokenize or bool(plan.stop_texts)
+        # Text is produced only when sent, or when stop strings are matched on it (the full engine).
+        need_text = plan.detokenize or (plan.text_stops and bool(plan.stop_texts))
         tail_start = len(req.prompt_hashes) * self.config.kv_block_size
         outputs = []
         for i in range(plan.n):
@@ -634,7 +695,11 @@ class Engine:
         plan, lm = req.plan, self.lm
         logprob: float | None = None
         if out.replay:
-            return (out.replay.popleft(), None, None, ())
+            token_id = out.replay.popleft()
+            entry = out.replay_logprobs.popleft() if out.replay_logprobs else None
+            if not plan.output_logprobs or entry is None:
+                return (token_id, None, None, ())
+            return _replayed(token_id, entry, plan.output_top_n)
         if out.script is not None:
             if out.script_pos < len(out.script):
                 token_id = out.script[out.script_pos]
@@ -690,12 +755,14 @@ class Engine:
         text = out.text
         if token_id in self._eos and not plan.ignore_eos:
             return generation_pb2.FINISH_REASON_STOP, ("eos_token_id", token_id)
+        if not plan.text_stops:
+            return self._token_stop(req, out, token_id)
         if token_id in plan.stop_ids:
             if text is not None and plan.include_stop:
-                text.push(token_id)
+                self._detokenize(text, token_id)
             return generation_pb2.FINISH_REASON_STOP, ("stop_token_id", token_id)
         if text is not None:
-            text.push(token_id)
+            self._detokenize(text, token_id)
             if out.count >= plan.min_tokens:
                 stop = text.match_stop()
                 if stop is not None:
@@ -703,6 +770,46 @@ class Engine:
         if out.count >= plan.max_tokens:
             return generation_pb2.FINISH_REASON_LENGTH, None
         return None
+
+    def _token_stop(
+        self, req: LiveRequest, out: _Output, token_id: int
+    ) -> tuple[generation_pb2.FinishReason, tuple[str, int | str] | None] | None:
+        """TensorRT-LLM's stop words: token sequences matched at the end of the output; without
+        ``include_stop_in_output`` the matched ids are dropped (not streamed, not counted)."""
+        plan = req.plan
+        if out.text is not None:
+            self._detokenize(out.text, token_id)
+        matched: tuple[int, tuple[str, int | str]] | None = None
+        if out.count >= plan.min_tokens:
+            if token_id in plan.stop_ids:
+                matched = 1, ("stop_token_id", token_id)
+            else:
+                generated = out.ctx[len(out.ctx) - out.count :]
+                for stop, ids in plan.stop_sequences:
+                    if len(ids) <= len(generated) and tuple(generated[-len(ids) :]) == ids:
+                        matched = len(ids), ("stop_text", stop)
+                        break
+        if matched is None:
+            if out.count >= plan.max_tokens:
+                return generation_pb2.FINISH_REASON_LENGTH, None
+            return None
+        length, stop_match = matched
+        if plan.trim_stops:
+            length = min(length, len(out.pending))
+            del out.pending[len(out.pending) - length :]
+            out.count -= length
+            req.generated -= length
+            if out.text is not None:
+                out.text.drop_tokens(length)
+        return generation_pb2.FINISH_REASON_STOP, stop_match
+
+    def _detokenize(self, text: OutputText, token_id: int) -> None:
+        """Detokenize one more token of an output (counted; ``--detokenize-cost-us`` of CPU each)."""
+        text.push(token_id)
+        self.served["detokenized_tokens"] += 1
+        cost = self.config.detokenize_cost_us
+        if cost > 0:
+            _burn_cpu(cost / 1e6)
 
     def _kv_append(self, req: LiveRequest, out: _Output, token_id: int) -> None:
         alloc = req.alloc
@@ -718,19 +825,21 @@ class Engine:
             out.block = None
             out.block_tokens = []
 
-    async def _flush(self, em: _Emitter, plan: RequestPlan, out: _Output, *, final: bool) -> None:
-        """Send what ``out`` may release now (everything when ``final``)."""
+    async def _flush(self, em: _Emitter, plan: RequestPlan, out: _Output, *, final: bool) -> bool:
+        """Send what ``out`` may release now (everything when ``final``); ``True`` if a message was sent."""
         if final:
             tokens, out.pending = out.pending, []
         else:
             ready = len(out.pending) - plan.token_holdback
             if ready < self.config.stream_interval:
-                return
+                return False
             tokens = out.pending[:ready]
             del out.pending[:ready]
         text = out.text.release(final=final) if out.text is not None else ""
         if tokens or text:
             await em.token(out.index, tokens, text if plan.detokenize else "")
+            return True
+        return False
 
     def _end_output(self, req: LiveRequest, out: _Output) -> bool:
         """Mark ``out`` finished; ``True`` if it was the request's last unfinished output."""
@@ -763,7 +872,9 @@ class Engine:
                     await self._flush(em, plan, out, final=False)
                     continue
                 last = self._end_output(req, out)
-                await self._flush(em, plan, out, final=True)
+                if await self._flush(em, plan, out, final=True) and plan.split_finish_ms > 0:
+                    # The last token message goes out alone; its finished follows in a later write.
+                    await asyncio.sleep(plan.split_finish_ms / 1000.0)
                 await em.finished(out.index, end[0], end[1], last=last)
 
     async def _context_only(self, req: LiveRequest, em: _Emitter, out: _Output) -> None:
@@ -786,7 +897,7 @@ class Engine:
         if self.config.no_cache_transceiver:
             await em.finished(out.index, generation_pb2.FINISH_REASON_LENGTH, None, last=True)
             return
-        session = self._session(req, token[0] if token is not None else None)
+        session = self._session(req, token)
         alloc, req.alloc = req.alloc, None
         assert alloc is not None
         namespace = block_namespace(plan.lora_name, plan.cache_salt)
@@ -822,25 +933,28 @@ class Engine:
                 claim.cancel()
         claim.result()
 
-    def _session(self, req: LiveRequest, first_token: int | None) -> kv_pb2.KvSessionRef:
+    def _session(self, req: LiveRequest, first: _Token | None) -> kv_pb2.KvSessionRef:
         self._sessions += 1
         session_id = str(self._sessions)
         host = self.listen_host
         url_host = f"[{host}]" if ":" in host else host
         kv_port = self.kv_sessions.port
-        session = kv_pb2.KvSessionRef(session_id=session_id, transfer_backend="MOCK", dp_rank=0)
+        session = kv_pb2.KvSessionRef(
+            session_id=session_id, transfer_backend=self.config.kv_transfer_backend, dp_rank=0
+        )
         session.endpoints.add(host=host, port=kv_port, protocol="tcp")
         opaque = json.dumps({"request_id": req.plan.request_id, "prompt_tokens": req.prompt_len}).encode()
-        fill_struct(
-            session.attributes_struct,
-            {
-                "ctx_info_endpoint": f"tcp://{url_host}:{kv_port}",
-                "opaque_state": base64.b64encode(opaque).decode(),
-                "first_gen_tokens": [] if first_token is None else [first_token],
-                "disagg_request_id": session_id,
-                "ctx_dp_rank": 0,
-            },
-        )
+        attributes: dict[str, object] = {
+            "ctx_info_endpoint": f"tcp://{url_host}:{kv_port}",
+            "opaque_state": base64.b64encode(opaque).decode(),
+            "first_gen_tokens": [] if first is None else [first[0]],
+            "disagg_request_id": session_id,
+            "ctx_dp_rank": 0,
+        }
+        if self.config.trt and first is not None and first[1] is not None:
+            # TensorRT-LLM hands the first token's logprobs to the decode leg, which replays them.
+            attributes["first_gen_log_probs"] = [_first_gen_log_probs(first, req.plan.output_top_n)]
+        fill_struct(session.attributes_struct, attributes)
         return session
 
     async def _fault_point(
@@ -891,8 +1005,17 @@ class Engine:
     # -- Control -----------------------------------------------------------------------------------------------------
 
     def abort(self, request: lifecycle_pb2.AbortRequest) -> lifecycle_pb2.AbortResponse:
-        """``Control.Abort`` as TensorRT-LLM answers it."""
+        """``Control.Abort`` as TensorRT-LLM answers it; every call is counted in ``mock_stats`` (the abort log)."""
+        served = self.served
+        served["aborts_received"] += 1
         target = request.WhichOneof("target")
+        served[f"aborts_by_{target or 'no_target'}"] += 1
+        response = self._abort(request, target)
+        status = lifecycle_pb2.AbortStatus.Name(response.status).removeprefix("ABORT_STATUS_").lower()
+        served[f"aborts_{status}"] += 1
+        return response
+
+    def _abort(self, request: lifecycle_pb2.AbortRequest, target: str | None) -> lifecycle_pb2.AbortResponse:
         if target is None:
             raise Rejection(Status.INVALID_ARGUMENT, "Abort needs a target: request_id, kv_session or all_requests")
         if target == "kv_session":
@@ -902,6 +1025,7 @@ class Engine:
                 raise Rejection(Status.INVALID_ARGUMENT, "request_id must not be empty")
             req = self.live.get(request.request_id)
             if req is not None and req.abort():
+                self.served["aborts_in_flight"] += 1
                 return lifecycle_pb2.AbortResponse(
                     status=lifecycle_pb2.ABORT_STATUS_ABORTED, message=f"aborted request {request.request_id!r}"
                 )
@@ -911,14 +1035,41 @@ class Engine:
             )
         count = sum(1 for req in list(self.live.values()) if req.abort())
         if count:
+            self.served["aborts_in_flight"] += count
             return lifecycle_pb2.AbortResponse(
                 status=lifecycle_pb2.ABORT_STATUS_ABORTED, message=f"aborted {count} request(s)"
             )
         return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED, message="no requests")
 
     def load(self, request: server_pb2.GetLoadRequest) -> server_pb2.LoadInfo:
-        """``Control.GetLoad``: live counters, KV usage and (optionally) the single rank."""
+        """``Control.GetLoad`` at the ``--load-report`` detail."""
+        report = self.config.load_report
+        if report == "minimal":
+            # TensorRT-LLM's baseline: every in-flight Generate stream (queued ones too) and health probe;
+            # include_per_rank is ignored.
+            return server_pb2.LoadInfo(
+                instance_id=self.config.instance_id,
+                timestamp_unix_nanos=time.time_ns(),
+                running_requests=len(self.live),
+            )
         running = self._counts[RequestState.PREFILL] + self._counts[RequestState.DECODE]
+        if report == "routing":
+            # TensorRT-LLM's newer opt-in routing load: requests and KV blocks, per rank on request.
+            info = server_pb2.LoadInfo(
+                instance_id=self.config.instance_id,
+                timestamp_unix_nanos=time.time_ns(),
+                running_requests=len(self.live),
+                used_kv_blocks=self.pool.used_blocks,
+                total_kv_blocks=self.pool.total_blocks,
+            )
+            if request.include_per_rank:
+                info.ranks.add(
+                    data_parallel_rank=0,
+                    running_requests=len(self.live),
+                    used_kv_blocks=self.pool.used_blocks,
+                    total_kv_blocks=self.pool.total_blocks,
+                )
+            return info
         running_tokens = 0
         waiting_tokens = 0
         for req in self.live.values():
@@ -970,8 +1121,9 @@ class Engine:
             response.checks.add(name="model", state=hs.HEALTH_STATE_DEGRADED, message="forced by --health degraded")
         else:
             response.checks.add(name="model", state=hs.HEALTH_STATE_READY, message="loaded")
-        if self.config.role in ("prefill", "decode"):
-            response.checks.add(name="kv_connector", state=hs.HEALTH_STATE_READY, message="MOCK")
+        if self.config.reports_kv_connector:
+            backend = self.config.kv_transfer_backend
+            response.checks.add(name="kv_connector", state=hs.HEALTH_STATE_READY, message=backend)
         if request.include_inference_probe and self.ready and not self.draining:
             state, message = await self._shared_probe()
             response.checks.add(name="inference_probe", state=state, message=message)

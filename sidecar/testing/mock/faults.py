@@ -29,6 +29,8 @@ Violation = Literal[
     "usage_on_non_final",
     "eof_before_terminal",
     "unspecified_finish",
+    "cumulative_deltas",
+    "usage_on_every_finish",
 ]
 VIOLATIONS: tuple[str, ...] = get_args(Violation)
 
@@ -43,6 +45,7 @@ _KEYS = frozenset(
         "hang_after_tokens",
         "violation",
         "tokens",
+        "split_finish_ms",
     }
 )
 
@@ -64,6 +67,8 @@ class MockFaults:
     hang_after_tokens: int | None = None
     violation: Violation | None = None
     tokens: tuple[int, ...] | None = None
+    #: Milliseconds between an output's last token message and its ``finished`` (``None``: ``--split-finish-ms``).
+    split_finish_ms: float | None = None
 
     @property
     def token_faults(self) -> bool:
@@ -128,6 +133,11 @@ def parse_faults(raw: JsonValue) -> MockFaults:
         if violation not in VIOLATIONS:
             raise FaultError(f"extra.mock.violation must be one of {', '.join(VIOLATIONS)}; got {violation!r}")
         faults = dataclasses.replace(faults, violation=cast(Violation, violation))
+    if "split_finish_ms" in raw:
+        value = raw["split_finish_ms"]
+        if isinstance(value, bool) or not isinstance(value, float) or not value >= 0.0 or value > 60_000.0:
+            raise FaultError(f"extra.mock.split_finish_ms must be milliseconds in [0, 60000], got {value!r}")
+        faults = dataclasses.replace(faults, split_finish_ms=value)
     if "tokens" in raw:
         tokens = raw["tokens"]
         if not isinstance(tokens, list) or not tokens:

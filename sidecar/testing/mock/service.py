@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -24,7 +25,7 @@ from openengine.v1 import (
 from .kvcache import BLOCK_HASH_ALGO
 from .kvevents import KvEventFeed, KvFault, Subscription
 from .structs import fill_struct
-from .validate import Rejection
+from .validate import Rejection, guided_modes
 
 if TYPE_CHECKING:
     from grpclib._typing import IProtoMessage
@@ -47,6 +48,16 @@ _ROLES = {
     "prefill": server_pb2.ENGINE_ROLE_PREFILL,
     "decode": server_pb2.ENGINE_ROLE_DECODE,
     "unspecified": server_pb2.ENGINE_ROLE_UNSPECIFIED,
+}
+
+#: ``GuidedDecoding`` guide names → ``GuidedDecodingMode`` numbers.
+_GUIDED_MODE_NUMBERS = {
+    "json_schema": model_pb2.GUIDED_DECODING_MODE_JSON_SCHEMA,
+    "regex": model_pb2.GUIDED_DECODING_MODE_REGEX,
+    "ebnf_grammar": model_pb2.GUIDED_DECODING_MODE_EBNF_GRAMMAR,
+    "structural_tag": model_pb2.GUIDED_DECODING_MODE_STRUCTURAL_TAG,
+    "json_object": model_pb2.GUIDED_DECODING_MODE_JSON_OBJECT,
+    "choice": model_pb2.GUIDED_DECODING_MODE_CHOICE,
 }
 
 
@@ -164,34 +175,55 @@ class ControlService(openengine_grpc.ControlBase):
         )
         info.parallelism.tensor_parallel_size = 1
         info.parallelism.pipeline_parallel_size = 1
-        info.parallelism.data_parallel_size = 1
+        if not cfg.trt or cfg.newer:  # TensorRT-LLM's baseline reports no data_parallel_size
+            info.parallelism.data_parallel_size = 1
         capacity = info.capacity
         capacity.kv_block_size = cfg.kv_block_size
-        capacity.total_kv_blocks = cfg.total_kv_blocks
+        if not cfg.trt or cfg.newer:  # the baseline leaves total_kv_blocks unset
+            capacity.total_kv_blocks = cfg.total_kv_blocks
         capacity.max_running_requests = cfg.max_running_requests
         capacity.max_batched_tokens = cfg.max_batched_tokens
         if cfg.capabilities.lora:
             capacity.max_loras = cfg.max_loras
-        if cfg.role in ("prefill", "decode") and not cfg.no_cache_transceiver:
+        if cfg.reports_kv_connector:
             kvc = info.kv_connector
             kvc.enabled = True
-            kvc.transfer_backend = "MOCK"
+            kvc.transfer_backend = cfg.kv_transfer_backend
             kvc.supports_remote_prefill = True
             kvc.supports_decode_pull = False
             kvc.supports_abort_cleanup = False
             kvc.schema_version = 1
-            kvc.supported_protocols.append("tcp")
-            kvc.local_endpoints.add(host=self._engine.listen_host, port=self._engine.kv_sessions.port, protocol="tcp")
-        fill_struct(info.extra, {"mock": True, "mock_kv_block_hash_algo": BLOCK_HASH_ALGO})
+            if not cfg.trt:  # TensorRT-LLM lists neither protocols nor endpoints
+                kvc.supported_protocols.append("tcp")
+                kvc.local_endpoints.add(
+                    host=self._engine.listen_host, port=self._engine.kv_sessions.port, protocol="tcp"
+                )
+        # TensorRT-LLM's baseline sends no extra; the mock keeps its own keys (mock_stats is how tests see what the
+        # engine served), which clients ignore.
+        extra: dict[str, object] = {"mock": True, "mock_kv_block_hash_algo": BLOCK_HASH_ALGO}
+        if cfg.newer:
+            extra.update(trtllm_supports_dp_rank_targeting=True, trtllm_supports_subagent_affinity=False)
+        fill_struct(info.extra, extra)
         # Cumulative counters of what this engine served (disaggregation tests check which engine did which leg).
-        stats = {**self._engine.served, **self._engine.kv_sessions.stats, "last_media": self._engine.last_media}
+        engine = self._engine
+        stats = {
+            **engine.served,
+            **engine.kv_sessions.stats,
+            "last_media": engine.last_media,
+            # Gauges, whatever --load-report hides from GetLoad (TensorRT-LLM's shows neither): leak checks.
+            "live_requests": len(engine.live),
+            "prefilling_requests": engine.prefilling,
+            "active_kv_sessions": engine.kv_sessions.active,
+            "used_kv_blocks": engine.pool.used_blocks,
+        }
         fill_struct(info.extra, {"mock_stats": stats})
         return info
 
     async def _model_info(self, request: model_pb2.GetModelInfoRequest) -> model_pb2.ModelInfo:
         cfg = self._config
         caps = cfg.capabilities
-        if request.model and request.model not in cfg.model_names:
+        # TensorRT-LLM serves one model and resolves any name to it; the full engine knows its names.
+        if request.model and request.model not in cfg.model_names and not cfg.trt:
             raise Rejection(Status.NOT_FOUND, f"model {request.model!r} is not served here")
         info = model_pb2.ModelInfo(
             model_id=cfg.served_model_name,
@@ -216,10 +248,9 @@ class ControlService(openengine_grpc.ControlBase):
                 caps_msg.max_top_n = cfg.max_top_n
         gen.guided_decoding.supported = caps.guided
         if caps.guided:
-            gen.guided_decoding.modes.extend(
-                [model_pb2.GUIDED_DECODING_MODE_JSON_OBJECT, model_pb2.GUIDED_DECODING_MODE_CHOICE]
-            )
-        gen.max_num_sequences = cfg.max_num_sequences
+            gen.guided_decoding.modes.extend(_GUIDED_MODE_NUMBERS[mode] for mode in guided_modes(cfg))
+        if cfg.max_num_sequences is not None:
+            gen.max_num_sequences = cfg.max_num_sequences
         gen.supports_priority = caps.priority
         gen.supports_stop_in_output = caps.stop_in_output
         gen.supports_cache_salt = caps.cache_salt
@@ -345,6 +376,9 @@ class ControlService(openengine_grpc.ControlBase):
         except Exception as exc:
             raise _fail("SubscribeKvEvents", exc) from None
         log.info("SubscribeKvEvents: subscribed (snapshot=%s)", request.include_snapshot)
+        task = asyncio.current_task()
+        if task is not None:
+            self._engine.endless_tasks.add(task)
         try:
             while True:
                 try:
@@ -358,3 +392,5 @@ class ControlService(openengine_grpc.ControlBase):
                     return
         finally:
             self.kv_feed.unsubscribe(sub)
+            if task is not None:
+                self._engine.endless_tasks.discard(task)

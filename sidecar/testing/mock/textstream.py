@@ -59,6 +59,17 @@ class OutputText:
         self.stopped = stop
         return stop
 
+    def drop_tokens(self, count: int) -> None:
+        """Forget the last ``count`` tokens (a trimmed stop word) and stop: the text is that of the rest.
+
+        Text already released stays released; hold-back keeps a stop word's text from going out before it matches.
+        """
+        if count > 0:
+            del self._ids[len(self._ids) - count :]
+        self.text = self._lm.decode(self._ids)
+        self._prefix = self._read = len(self._ids)
+        self.stopped = ""
+
     def release(self, *, final: bool) -> str:
         """The text that may be sent now; ``final`` flushes held-back text and incomplete UTF-8 as well."""
         if final:

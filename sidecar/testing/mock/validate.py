@@ -16,7 +16,7 @@ import math
 import re
 import urllib.parse
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from grpclib.const import Status
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from openengine.v1 import generation_pb2
 
     from .config import MockConfig
+    from .faults import Violation
     from .lmapi import LanguageModel
 
 __all__ = [
@@ -39,7 +40,9 @@ __all__ = [
     "DecodeSession",
     "MediaInput",
     "Rejection",
+    "ReplayLogprob",
     "RequestPlan",
+    "guided_modes",
     "validate_request",
 ]
 
@@ -49,6 +52,10 @@ PROMPT_LOGPROB_LIMIT = 1_000_000
 _INT32 = (-(2**31), 2**31 - 1)
 _DECIMAL = re.compile(r"[+-]?[0-9]+")
 _REQUEST_TYPES = ("context_and_generation", "context_only")
+#: The guides TensorRT-LLM's xgrammar backend builds (``capabilities.py``), in its order; never ``choice``.
+XGRAMMAR_MODES = ("json_schema", "regex", "ebnf_grammar", "structural_tag", "json_object")
+#: The ``full`` engine's guides (with ``--capability guided=true``).
+FULL_GUIDED_MODES = ("json_object", "choice")
 #: ``Modality`` numbers (generation.proto) → names; UNSPECIFIED (0) and unknown numbers are refused.
 _MODALITIES = {1: "image", 2: "video", 3: "audio"}
 #: The mock model's media placeholders: prompt text ``<image>`` stands where ``media[i]`` (an image) goes.
@@ -67,12 +74,18 @@ class Rejection(Exception):
         self.message = message
 
 
+#: One position of ``first_gen_log_probs``: a float, or ``(token_id, logprob, rank)`` triples.
+ReplayLogprob = float | tuple[tuple[int, float, int], ...]
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class DecodeSession:
     """The parts of a replayed ``KvSessionRef`` the decode leg uses."""
 
     session_id: str
     replay_tokens: tuple[int, ...]
+    #: ``first_gen_log_probs`` per replayed position: the token's logprob, or ``(token_id, logprob, rank)`` triples.
+    replay_logprobs: tuple[ReplayLogprob, ...] = ()
     #: Where the context engine's KV transfer endpoint is (None: only ``opaque_state``, nothing to pull from).
     host: str | None = None
     port: int | None = None
@@ -127,10 +140,27 @@ class RequestPlan:
     text_prompt: bool = False
     #: The guided-decoding guide, checked; each output is one of its texts, then EOS (``guided.py``).
     guide: Guide | None = None
+    #: ``(stop string, its token ids)``: TensorRT-LLM matches stop words as token sequences, not on text.
+    stop_sequences: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    #: Stop strings are matched on the detokenized text (the ``full`` engine) rather than as token sequences.
+    text_stops: bool = True
+    #: A matched stop word's / stop token's ids are dropped from the output and not counted (TensorRT-LLM without
+    #: ``include_stop_in_output``).
+    trim_stops: bool = False
+    #: Accepted, but the engine fails it right after submission: one terminal ``EngineError(INTERNAL)`` with usage
+    #: (TensorRT-LLM's executor refusing what its request mapping let through).
+    deferred_error: str | None = None
+    #: Milliseconds between an output's last token message and its ``finished``.
+    split_finish_ms: float = 0.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def guided_modes(config: MockConfig) -> tuple[str, ...]:
+    """The guides advertised (``ModelInfo.generation.guided_decoding.modes``) and accepted when guided is enabled."""
+    return XGRAMMAR_MODES if config.trt else FULL_GUIDED_MODES
 
 
 def _reject(status: Status, message: str) -> Rejection:
@@ -207,7 +237,13 @@ def _placeholder_checks(text: str, media: tuple[MediaInput, ...]) -> None:
             raise _invalid(f"media[{i}] is {modality} but placeholder {i} is {PLACEHOLDERS[placeholder]}")
 
 
-def _metadata_checks(metadata: MultiDict[str | bytes] | None, config: MockConfig) -> int:
+#: ``openengine-*`` metadata keys TensorRT-LLM's newer servers know; any other one is ``UNIMPLEMENTED`` there.
+_NEWER_METADATA_KEYS = frozenset({"openengine-priority", "openengine-target-dp-rank"})
+#: Attention-DP ranks of the mock (one engine, rank 0).
+_DP_SIZE = 1
+
+
+def _metadata_checks(metadata: MultiDict[str | bytes] | None, config: MockConfig, n: int) -> int:
     """gRPC metadata rules (wire §7.6 as TRT applies them); returns the priority (0 = default)."""
     if metadata is None:
         return 0
@@ -215,6 +251,10 @@ def _metadata_checks(metadata: MultiDict[str | bytes] | None, config: MockConfig
     for key in sorted(keys):
         if key.startswith("openengine-") and len(metadata.getall(key)) > 1:
             raise _invalid(f"metadata key {key!r} must not be repeated")
+    if config.newer:
+        unknown = sorted(k for k in keys if k.startswith("openengine-") and k not in _NEWER_METADATA_KEYS)
+        if unknown:
+            raise _unimplemented(f"metadata {', '.join(unknown)} is not supported")
     routing = metadata.get("openengine-routing-key")
     if routing is not None and not routing:
         raise _invalid("metadata openengine-routing-key must not be empty")
@@ -227,8 +267,15 @@ def _metadata_checks(metadata: MultiDict[str | bytes] | None, config: MockConfig
         if not _DECIMAL.fullmatch(text.strip()) or not _INT32[0] <= int(text) <= _INT32[1]:
             raise _invalid(f"metadata openengine-priority must be a base-10 int32, got {text!r}")
         priority = int(text)
-    if metadata.get("openengine-target-dp-rank") is not None:
-        raise _unimplemented("metadata openengine-target-dp-rank is not supported")
+    raw_rank = metadata.get("openengine-target-dp-rank")
+    if raw_rank is not None:
+        if not config.newer:
+            raise _unimplemented("metadata openengine-target-dp-rank is not supported")
+        text = raw_rank.decode() if isinstance(raw_rank, bytes) else raw_rank
+        if not _DECIMAL.fullmatch(text.strip()) or not 0 <= int(text) < _DP_SIZE:
+            raise _invalid(f"metadata openengine-target-dp-rank must be in [0, {_DP_SIZE}), got {text!r}")
+        if n > 1:
+            raise _invalid("metadata openengine-target-dp-rank cannot be combined with num_sequences > 1")
     return priority
 
 
@@ -284,7 +331,40 @@ def _decode_session(request: generation_pb2.GenerateRequest) -> DecodeSession:
         if not isinstance(first, list) or not all(isinstance(t, float) and t.is_integer() and t >= 0 for t in first):
             raise _invalid("kv.session: first_gen_tokens must be a list of token ids")
         replay = [int(t) for t in first if isinstance(t, float)]
-    return DecodeSession(session_id=session_id, replay_tokens=tuple(replay), host=host, port=port)
+    replay_logprobs = _replay_logprobs(attrs.get("first_gen_log_probs"))
+    return DecodeSession(
+        session_id=session_id,
+        replay_tokens=tuple(replay),
+        replay_logprobs=replay_logprobs,
+        host=host,
+        port=port,
+    )
+
+
+def _replay_logprobs(raw: JsonValue) -> tuple[ReplayLogprob, ...]:
+    """``first_gen_log_probs`` (TensorRT-LLM: per position a float or ``[token_id, logprob, rank]`` triples)."""
+    if raw is None:
+        return ()
+    bad = _invalid("kv.session: first_gen_log_probs must hold a number or [token_id, logprob, rank] lists per token")
+    if not isinstance(raw, list):
+        raise bad
+    positions: list[ReplayLogprob] = []
+    for entry in raw:
+        if isinstance(entry, float):
+            positions.append(entry)
+            continue
+        if not isinstance(entry, list):
+            raise bad
+        triples: list[tuple[int, float, int]] = []
+        for item in entry:
+            if not (isinstance(item, list) and len(item) == 3 and all(isinstance(v, float) for v in item)):
+                raise bad
+            token_id, logprob, rank = (cast(float, v) for v in item)
+            if not token_id.is_integer() or not rank.is_integer() or token_id < 0:
+                raise bad
+            triples.append((int(token_id), logprob, int(rank)))
+        positions.append(tuple(triples))
+    return tuple(positions)
 
 
 def validate_request(
@@ -319,7 +399,7 @@ def validate_request(
         raise _invalid("request_id must not be empty")
     if not request.model:
         raise _invalid("model must not be empty")
-    if request.model not in config.model_names:
+    if request.model not in config.model_names and not config.trt:  # TensorRT-LLM serves any name
         raise _reject(
             Status.NOT_FOUND, f"model {request.model!r} is not served here (serving {config.served_model_name!r})"
         )
@@ -364,31 +444,46 @@ def validate_request(
         _placeholder_checks(request.prompt if kind == "prompt" else lm.decode(prompt_ids), media)
 
     # 6. Sampling, stopping, response options, guided decoding, extra.
+    # TensorRT-LLM's request mapping passes some out-of-range values through, and its executor then fails the
+    # submitted request (the first such reason is kept; pre-acceptance checks below still win).
+    deferred: list[str] = []
+    trt = config.trt
     sampling = request.sampling
     temperature = _finite("temperature", sampling.temperature) if sampling.HasField("temperature") else 1.0
     if temperature < 0:
         raise _invalid(f"temperature must be >= 0, got {temperature}")
     top_p = _finite("top_p", sampling.top_p) if sampling.HasField("top_p") else 1.0
-    if not 0.0 < top_p <= 1.0:
+    if trt:
+        if not 0.0 <= top_p <= 1.0:
+            raise _invalid(f"top_p must be in [0, 1], got {top_p}")
+        if top_p == 0.0:
+            deferred.append("top_p=0 is rejected by the sampler")
+    elif not 0.0 < top_p <= 1.0:
         raise _invalid(f"top_p must be in (0, 1], got {top_p}")
     top_k = sampling.top_k if sampling.HasField("top_k") else 0
     if top_k < 0:
         raise _invalid(f"top_k must be >= 0, got {top_k}")
     min_p = _finite("min_p", sampling.min_p) if sampling.HasField("min_p") else 0.0
     if not 0.0 <= min_p <= 1.0:
-        raise _invalid(f"min_p must be in [0, 1], got {min_p}")
+        if not trt:
+            raise _invalid(f"min_p must be in [0, 1], got {min_p}")
+        deferred.append(f"min_p={min_p} is rejected by the sampler")
     for name in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
         if sampling.HasField(name):
             _finite(name, getattr(sampling, name))
     if sampling.HasField("repetition_penalty") and sampling.repetition_penalty <= 0:
-        raise _invalid("repetition_penalty must be > 0")
+        if not trt:
+            raise _invalid("repetition_penalty must be > 0")
+        deferred.append(f"repetition_penalty={sampling.repetition_penalty} is rejected by the sampler")
     n = sampling.num_sequences if sampling.HasField("num_sequences") else 1
     if n == 0:
         raise _invalid("num_sequences must be > 0")
-    if n > config.max_num_sequences:
+    if config.max_num_sequences is not None and n > config.max_num_sequences:
         raise _invalid(f"num_sequences={n} exceeds max_num_sequences={config.max_num_sequences}")
-    if n > 1 and temperature == 0.0:
-        raise _invalid("greedy sampling (temperature=0) does not support num_sequences > 1")
+    # TensorRT-LLM's SamplingParams: temperature 0, top_k 1 and top_p 0 are each greedy.
+    greedy = temperature == 0.0 or (trt and (top_k == 1 or top_p == 0.0))
+    if n > 1 and greedy:
+        raise _invalid("greedy sampling (temperature=0, top_k=1 or top_p=0) does not support num_sequences > 1")
     seed = sampling.seed if sampling.HasField("seed") else None
 
     stopping = request.stopping
@@ -405,10 +500,15 @@ def validate_request(
         else:
             raise _invalid(f"stopping.conditions[{i}] is empty")
     if stopping.HasField("max_tokens") and stopping.max_tokens == 0:
-        raise _invalid("max_tokens must be > 0")
+        if not trt:
+            raise _invalid("max_tokens must be > 0")
+        deferred.append("max_tokens=0 is rejected by the executor")
     include_stop = stopping.include_stop_in_output if stopping.HasField("include_stop_in_output") else False
     if include_stop and not caps.stop_in_output:
         raise _unimplemented("include_stop_in_output is not supported (supports_stop_in_output=false)")
+    if trt and stopping.HasField("ignore_eos") and stopping.ignore_eos:
+        # TensorRT-LLM's SamplingParams: ignore_eos drops every stop word, not only the end id.
+        stop_texts, stop_ids = [], set()
 
     response = request.response
     output_logprobs = response.return_output_logprobs if response.HasField("return_output_logprobs") else False
@@ -433,6 +533,9 @@ def validate_request(
         if guide is not None:
             if not caps.guided:
                 raise _unimplemented("guided decoding is not supported")
+            if guide not in guided_modes(config):
+                backend = "the xgrammar backend" if config.trt else "openengine-mock"
+                raise _unimplemented(f"guided decoding mode {guide!r} is not supported by {backend}")
             if guide == "choice":
                 if not any(guided.choice.choices):
                     raise _invalid("guided.choice needs at least one non-empty choice")
@@ -463,7 +566,7 @@ def validate_request(
     context_only = request_type == "context_only"
 
     # 7. Metadata.
-    priority = _metadata_checks(metadata, config)
+    priority = _metadata_checks(metadata, config, n)
 
     # 8. Cache salt.
     cache_salt = request.kv.cache_salt if request.HasField("kv") and request.kv.HasField("cache_salt") else None
@@ -501,7 +604,10 @@ def validate_request(
     budget = window - prompt_len
     if config.max_output_tokens is not None:
         budget = min(budget, config.max_output_tokens)
-    if stopping.HasField("max_tokens"):
+    if stopping.HasField("max_tokens") and trt:
+        # TensorRT-LLM serves an over-long max_tokens up to the window instead of refusing it.
+        max_tokens = min(stopping.max_tokens, budget) or 1
+    elif stopping.HasField("max_tokens"):
         max_tokens = stopping.max_tokens
         if prompt_len + max_tokens > window:
             raise _invalid(f"prompt length {prompt_len} + max_tokens {max_tokens} exceeds max_context_length={window}")
@@ -518,7 +624,13 @@ def validate_request(
     blocks = full + n * (-(-(prompt_len + max_tokens) // bs) - full)
     if blocks > config.total_kv_blocks:
         raise _invalid(f"request needs {blocks} KV blocks; the pool holds {config.total_kv_blocks}")
+    stop_sequences = tuple((text, ids) for text in stop_texts if (ids := tuple(lm.encode(text)))) if trt else ()
     holdback = max((len(lm.encode(s)) for s in stop_texts), default=1) - 1
+    if context_only and config.no_cache_transceiver and trt:
+        deferred.append("context-only request without a KV cache transceiver (cache_transceiver_config)")
+    if config.fault_violation is not None and faults.violation is None:
+        faults = dataclasses.replace(faults, violation=cast("Violation", config.fault_violation))
+    split_finish_ms = faults.split_finish_ms if faults.split_finish_ms is not None else config.split_finish_ms
 
     return RequestPlan(
         request_id=request.request_id,
@@ -554,4 +666,9 @@ def validate_request(
         media=media,
         text_prompt=kind == "prompt",
         guide=compiled_guide,
+        stop_sequences=stop_sequences,
+        text_stops=not trt,
+        trim_stops=trt and not include_stop,
+        deferred_error=deferred[0] if deferred else None,
+        split_finish_ms=split_finish_ms,
     )
