@@ -6,8 +6,6 @@ what the engine would have seen (opened streams, stream closes, aborts); each te
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -16,18 +14,6 @@ import trio.testing
 
 from openengine.v1 import error_pb2
 from openengine.v1 import generation_pb2 as pb
-from openengine_bp.openengine.v1 import (
-    AbortResponse,
-    AbortStatus,
-    DeploymentCapacity,
-    GenerationCapabilities,
-    HealthResponse,
-    HealthState,
-    LogprobCapabilities,
-    ModelInfo,
-    ServerInfo,
-)
-from sidecar.convert import Capabilities
 from sidecar.dynamo import RequestContext
 from sidecar.errors import (
     DynamoErrorKind,
@@ -40,79 +26,23 @@ from sidecar.errors import (
     WorkerDraining,
 )
 from sidecar.requests import CANARY_PAYLOAD, HungEngine, RequestServer, ServingContext
-from statemachines import REQUEST, RequestLifecycle
+from tests.helpers.scripted_engine import (
+    RID,
+    Recorder,
+    ScriptedEngine,
+    Step,
+    caps,
+    collect,
+    error,
+    finished,
+    recorder,
+    token,
+)
 
-RID = "req-1"
-
-# A scripted engine answer: a pause (virtual seconds) then a batch, an exception, or None to hang forever.
-Step = tuple[float, "list[pb.GenerateResponse] | BaseException | None"]
-
-
-class FakeEngine:
-    """Plays a scripted Generate stream and records what the engine side would observe."""
-
-    def __init__(self, script: Sequence[Step]) -> None:
-        self.script = list(script)
-        self.opened: list[pb.GenerateRequest] = []
-        self.metadata: list[tuple[tuple[str, str], ...]] = []
-        self.stream_closed_early = 0
-        self.aborts: list[str] = []
-
-    @asynccontextmanager
-    async def generate(
-        self, request: pb.GenerateRequest, *, metadata: Sequence[tuple[str, str]] = ()
-    ) -> AsyncIterator[AsyncIterator[list[pb.GenerateResponse]]]:
-        self.opened.append(request)
-        self.metadata.append(tuple(metadata))
-        finished = False
-
-        async def batches() -> AsyncIterator[list[pb.GenerateResponse]]:
-            nonlocal finished
-            for delay, item in self.script:
-                await trio.sleep(delay)
-                if item is None:
-                    await trio.sleep_forever()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-            finished = True
-
-        try:
-            yield batches()
-        finally:
-            if not finished:
-                self.stream_closed_early += 1
-
-    async def abort(self, request_id: str, *, timeout_s: float | None = None) -> AbortResponse:
-        self.aborts.append(request_id)
-        return AbortResponse(status=AbortStatus.ABORTED)
-
-    async def health(self, *, timeout_s: float | None = None) -> HealthResponse:
-        return HealthResponse(state=HealthState.READY)
+__all__ = ["recorder"]  # the fixture, imported for this module's tests
 
 
-def caps() -> Capabilities:
-    server = ServerInfo(
-        engine_name="fake",
-        schema_revision=1,
-        minimum_client_revision=1,
-        supported_models=["tiny"],
-        capacity=DeploymentCapacity(kv_block_size=16, total_kv_blocks=100, max_running_requests=8),
-    )
-    model = ModelInfo(
-        model_id="tiny",
-        served_model_name="tiny",
-        max_context_length=256,
-        supports_token_ids_input=True,
-        generation=GenerationCapabilities(
-            max_num_sequences=2,
-            output_logprobs=LogprobCapabilities(supported=True, max_top_n=5),
-        ),
-    )
-    return Capabilities.from_discovery(server, model)
-
-
-def serving(engine: FakeEngine, *, inactivity: float = 5.0) -> ServingContext:
+def serving(engine: ScriptedEngine, *, inactivity: float = 5.0) -> ServingContext:
     return ServingContext(
         client=engine,  # type: ignore[arg-type]
         caps=caps(),
@@ -131,66 +61,7 @@ def request(**stop: Any) -> dict[str, Any]:
     }
 
 
-def token(index: int, *ids: int) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(request_id=RID)
-    response.token.output_index = index
-    for i in ids:
-        response.token.tokens.add(token_id=i)
-    return response
-
-
-def finished(
-    index: int, reason: int = pb.FINISH_REASON_LENGTH, usage: tuple[int, int] | None = (3, 2)
-) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(request_id=RID)
-    response.finished.output_index = index
-    response.finished.reason = reason  # type: ignore[assignment]
-    if usage is not None:
-        response.usage.prompt_tokens, response.usage.completion_tokens = usage
-        response.usage.total_tokens = sum(usage)
-    return response
-
-
-def error(code: int, retryable: bool) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(request_id=RID)
-    response.error.code = code  # type: ignore[assignment]
-    response.error.message = "boom"
-    response.error.retryable = retryable
-    response.usage.prompt_tokens = 3
-    return response
-
-
-class Recorder:
-    """Observes request transitions (the machine is shared: filter by our request id)."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, str]] = []
-
-    def __call__(self, model: RequestLifecycle, event: str, source: str, dest: str) -> None:
-        if model.request_id == RID:
-            self.events.append((event, dest))
-
-    @property
-    def final(self) -> str:
-        return self.events[-1][1]
-
-
-@pytest.fixture
-def recorder() -> Iterator[Recorder]:
-    rec = Recorder()
-    REQUEST.observers.append(rec)
-    yield rec
-    REQUEST.observers.remove(rec)
-
-
-async def collect(server: RequestServer, body: dict[str, Any]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    async for batch in server.handle(body, RequestContext(request_id=RID)):
-        out.extend(batch)
-    return out
-
-
-def make_server(engine: FakeEngine, **kw: float) -> RequestServer:
+def make_server(engine: ScriptedEngine, **kw: float) -> RequestServer:
     server = RequestServer()
     server.attach(serving(engine, **kw))
     return server
@@ -199,7 +70,7 @@ def make_server(engine: FakeEngine, **kw: float) -> RequestServer:
 async def test_a_complete_stream_ends_finished_without_abort(
     autojump_clock: trio.testing.MockClock, recorder: Recorder
 ) -> None:
-    engine = FakeEngine([(0.01, [token(0, 10)]), (0.01, [token(0, 11), finished(0)])])
+    engine = ScriptedEngine([(0.01, [token(0, 10)]), (0.01, [token(0, 11), finished(0)])])
     chunks = await collect(make_server(engine), request())
     assert [c["token_ids"] for c in chunks] == [[10], [11]]
     assert chunks[-1]["finish_reason"] == "length"
@@ -212,7 +83,7 @@ async def test_a_complete_stream_ends_finished_without_abort(
 async def test_an_unsupported_option_is_rejected_before_any_rpc(
     autojump_clock: trio.testing.MockClock, recorder: Recorder
 ) -> None:
-    engine = FakeEngine([])
+    engine = ScriptedEngine([])
     body = request()
     body["sampling_options"]["guided_decoding"] = {"json": {"type": "object"}}
     with pytest.raises(RequestRejected) as caught:
@@ -226,7 +97,7 @@ async def test_an_unsupported_option_is_rejected_before_any_rpc(
 async def test_a_client_stop_mid_stream_cancels_the_stream_and_aborts(
     autojump_clock: trio.testing.MockClock, recorder: Recorder
 ) -> None:
-    engine = FakeEngine([(0.01, [token(0, 10)]), (60.0, [finished(0)])])
+    engine = ScriptedEngine([(0.01, [token(0, 10)]), (60.0, [finished(0)])])
     server = make_server(engine)
     with trio.move_on_after(1.0):
         await collect(server, request())
@@ -239,7 +110,7 @@ async def test_a_client_stop_mid_stream_cancels_the_stream_and_aborts(
 async def test_a_hung_engine_fails_the_request_after_the_inactivity_timeout(
     autojump_clock: trio.testing.MockClock, recorder: Recorder
 ) -> None:
-    engine = FakeEngine([(0.01, [token(0, 10)]), (0.0, None)])
+    engine = ScriptedEngine([(0.01, [token(0, 10)]), (0.0, None)])
     start = trio.current_time()
     with pytest.raises(HungEngine) as caught:
         await collect(make_server(engine, inactivity=3.0), request())
@@ -252,7 +123,7 @@ async def test_a_hung_engine_fails_the_request_after_the_inactivity_timeout(
 async def test_a_terminal_engine_error_is_raised_with_its_retryable_flag(
     autojump_clock: trio.testing.MockClock, recorder: Recorder
 ) -> None:
-    engine = FakeEngine([(0.01, [token(0, 10)]), (0.01, [error(error_pb2.ERROR_CODE_OVERLOADED, retryable=True)])])
+    engine = ScriptedEngine([(0.01, [token(0, 10)]), (0.01, [error(error_pb2.ERROR_CODE_OVERLOADED, retryable=True)])])
     with pytest.raises(EngineFailure) as caught:
         await collect(make_server(engine), request())
     assert caught.value.kind is DynamoErrorKind.DISCONNECTED  # retryable → migratable, unlike the Rust sidecars
@@ -260,7 +131,7 @@ async def test_a_terminal_engine_error_is_raised_with_its_retryable_flag(
 
 
 async def test_a_non_retryable_engine_error_is_not_migrated(autojump_clock: trio.testing.MockClock) -> None:
-    engine = FakeEngine([(0.01, [error(error_pb2.ERROR_CODE_INTERNAL, retryable=False)])])
+    engine = ScriptedEngine([(0.01, [error(error_pb2.ERROR_CODE_INTERNAL, retryable=False)])])
     with pytest.raises(EngineFailure) as caught:
         await collect(make_server(engine), request())
     assert caught.value.kind is DynamoErrorKind.UNKNOWN
@@ -269,7 +140,7 @@ async def test_a_non_retryable_engine_error_is_not_migrated(autojump_clock: trio
 async def test_an_event_after_the_terminal_fails_the_request_instead_of_succeeding(
     autojump_clock: trio.testing.MockClock, recorder: Recorder
 ) -> None:
-    engine = FakeEngine([(0.01, [token(0, 10), finished(0)]), (0.01, [token(0, 11)])])
+    engine = ScriptedEngine([(0.01, [token(0, 10), finished(0)]), (0.01, [token(0, 11)])])
     out: list[dict[str, Any]] = []
 
     async def consume() -> None:
@@ -295,7 +166,7 @@ async def test_an_event_after_the_terminal_fails_the_request_instead_of_succeedi
 async def test_protocol_violations_fail_only_that_request(
     autojump_clock: trio.testing.MockClock, script: list[Step], violation: Violation
 ) -> None:
-    engine = FakeEngine(script)
+    engine = ScriptedEngine(script)
     server = make_server(engine)
     with pytest.raises(ProtocolViolation) as caught:
         await collect(server, request())
@@ -310,7 +181,7 @@ async def test_transport_loss_is_migratable_and_needs_no_abort(
     autojump_clock: trio.testing.MockClock, recorder: Recorder
 ) -> None:
     lost = EngineRpcError("Generate", GrpcCode.UNAVAILABLE, "connection reset")
-    engine = FakeEngine([(0.01, [token(0, 10)]), (0.01, lost)])
+    engine = ScriptedEngine([(0.01, [token(0, 10)]), (0.01, lost)])
     with pytest.raises(EngineRpcError) as caught:
         await collect(make_server(engine), request())
     assert caught.value.migratable
@@ -321,7 +192,7 @@ async def test_transport_loss_is_migratable_and_needs_no_abort(
 async def test_a_worker_cancel_ends_the_request_with_a_migratable_error(
     autojump_clock: trio.testing.MockClock, recorder: Recorder
 ) -> None:
-    engine = FakeEngine([(0.01, [token(0, 10)]), (60.0, [finished(0)])])
+    engine = ScriptedEngine([(0.01, [token(0, 10)]), (60.0, [finished(0)])])
     server = make_server(engine)
     outcome: list[WorkerDraining] = []
 
@@ -349,7 +220,7 @@ async def test_a_worker_that_is_not_serving_sends_requests_elsewhere(autojump_cl
 
 
 async def test_the_health_canary_is_answered_without_a_generation(autojump_clock: trio.testing.MockClock) -> None:
-    engine = FakeEngine([])
+    engine = ScriptedEngine([])
     chunks = await collect(make_server(engine), dict(CANARY_PAYLOAD))
     assert chunks == [
         {
@@ -362,7 +233,7 @@ async def test_the_health_canary_is_answered_without_a_generation(autojump_clock
 
 
 async def test_trace_headers_reach_the_engine_metadata(autojump_clock: trio.testing.MockClock) -> None:
-    engine = FakeEngine([(0.0, [token(0, 1), finished(0)])])
+    engine = ScriptedEngine([(0.0, [token(0, 1), finished(0)])])
     server = make_server(engine)
     parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     ctx = RequestContext(request_id=RID, trace_headers={"traceparent": parent})
