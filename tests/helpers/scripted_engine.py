@@ -71,24 +71,11 @@ class ScriptedEngine:
     ) -> AsyncIterator[AsyncIterator[list[pb.GenerateResponse]]]:
         self.opened.append(request)
         self.metadata.append(tuple(metadata))
-        finished = False
-        script = list(self.script)
-
-        async def batches() -> AsyncIterator[list[pb.GenerateResponse]]:
-            nonlocal finished
-            for delay, item in script:
-                await trio.sleep(delay)
-                if item is None:
-                    await trio.sleep_forever()
-                if isinstance(item, BaseException):
-                    raise item
-                yield [_with_id(r, request.request_id) for r in item]
-            finished = True
-
+        stream = _ScriptedStream(self.script, request.request_id)
         try:
-            yield batches()
+            yield stream
         finally:
-            if not finished:
+            if not stream.finished:
                 self.stream_closed_early += 1
 
     async def abort(self, request_id: str, *, timeout_s: float | None = None) -> AbortResponse:
@@ -101,6 +88,39 @@ class ScriptedEngine:
     async def health(self, *, timeout_s: float | None = None) -> HealthResponse:
         await trio.lowlevel.checkpoint()
         return HealthResponse(state=self.health_state)
+
+
+class _ScriptedStream:
+    """The engine side of one stream: each step is due at a fixed time after the open (the engine works whether or
+    not the reader is waiting), and a read interrupted by cancellation loses nothing (as the bridge's stream)."""
+
+    def __init__(self, script: Sequence[Step], request_id: str) -> None:
+        self._steps = list(script)
+        self._request_id = request_id
+        self._due: list[float] = []
+        at = trio.current_time()
+        for delay, _ in self._steps:
+            at += delay
+            self._due.append(at)
+        self._next = 0
+        self.finished = False
+
+    def __aiter__(self) -> _ScriptedStream:
+        return self
+
+    async def __anext__(self) -> list[pb.GenerateResponse]:
+        if self._next >= len(self._steps):
+            self.finished = True
+            await trio.lowlevel.checkpoint()
+            raise StopAsyncIteration
+        await trio.sleep_until(self._due[self._next])
+        _, item = self._steps[self._next]
+        if item is None:
+            await trio.sleep_forever()
+        self._next += 1
+        if isinstance(item, BaseException):
+            raise item
+        return [_with_id(r, self._request_id) for r in item]
 
 
 def _with_id(response: pb.GenerateResponse, request_id: str) -> pb.GenerateResponse:
