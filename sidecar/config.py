@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["ENDPOINT_TYPES", "ConfigError", "DisaggregationMode", "SidecarConfig"]
+__all__ = ["ENDPOINT_TYPES", "ConfigError", "DisaggregationMode", "EngineDetokenize", "SidecarConfig"]
 
 DisaggregationMode = Literal["agg", "prefill", "decode"]
+EngineDetokenize = Literal["auto", "on", "off"]
 ENDPOINT_TYPES = ("chat", "completions")
 
 
@@ -65,6 +66,9 @@ class SidecarConfig:
     lora_root: Path | None = None
     lora_load_timeout_s: float = 120.0
     lora_fetch_timeout_s: float = 600.0
+    #: ``auto``: ask the engine not to detokenize (``extra.detokenize = false``) when it is known to accept that
+    #: (TensorRT-LLM); ``on``: let it detokenize; ``off``: ask any engine not to.
+    engine_detokenize: EngineDetokenize = "auto"
 
 
 class ConfigError(ValueError):

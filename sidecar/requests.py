@@ -135,6 +135,9 @@ class ActiveRequest:
     """
 
     lifecycle: RequestLifecycle
+    #: Prompt tokens, and the response mapper once the request is sent (its completion count): the load estimate.
+    prompt_tokens: int = 0
+    mapper: ResponseMapper | None = None
     waiting: trio.CancelScope | None = None
     # Set when the worker ends the request; it is what the client is told (a migratable error).
     worker_error: SidecarError | None = None
@@ -191,6 +194,9 @@ class RequestServer:
         #: Set when a request saw the engine unreachable, so the worker's health watch looks at once instead of at
         #: its next poll; the watch replaces it after each look.
         self.engine_trouble = trio.Event()
+        #: Set when a request lost its stream to a transport failure: whatever answers next may be another engine
+        #: (a quick restart), so the worker checks its identity. The worker replaces it after each look.
+        self.connection_lost = trio.Event()
         #: Batches delivered from the engine so far: lets the health watch tell a busy engine (Health slow, tokens
         #: flowing) from a lost one.
         self.progress = 0
@@ -227,6 +233,12 @@ class RequestServer:
 
     def active_requests(self) -> list[ActiveRequest]:
         return list(self._active.values())
+
+    def tokens_in_flight(self) -> list[int]:
+        """Prompt + generated tokens of each request in flight (the load estimate for an engine without KV usage)."""
+        return [
+            r.prompt_tokens + (r.mapper.completion_tokens if r.mapper is not None else 0) for r in self._active.values()
+        ]
 
     async def wait_idle(self) -> None:
         """Return once no request is in flight."""
@@ -282,10 +294,10 @@ class RequestServer:
             end.log("rejected", "duplicate request id")
             raise RequestRejected("request_id", f"{ctx.request_id!r} is already in flight on this worker")
 
-        active = ActiveRequest(lifecycle)
+        mapper = call.response_mapper(eos_token_ids=_eos_token_ids(request))
+        active = ActiveRequest(lifecycle, prompt_tokens=call.prompt_tokens, mapper=mapper)
         self._active[ctx.request_id] = active
         self._idle = trio.Event()
-        mapper = call.response_mapper(eos_token_ids=_eos_token_ids(request))
         # Stop strings are matched by the frontend on its own text: any chunk may be the one it ends the answer with.
         stop_texts = bool(call.stop_texts)
         engine_holds_request = False
@@ -425,6 +437,7 @@ class RequestServer:
             engine_holds_request = False
             if isinstance(exc, EngineRpcError) and exc.code is GrpcCode.UNAVAILABLE:
                 self.engine_trouble.set()
+                self.connection_lost.set()
             lifecycle.fire("fail", reason=str(exc))
             end.failed(str(exc), logging.WARNING)
             raise
@@ -612,6 +625,37 @@ async def _abort(serving: ServingContext, request_id: str) -> None:
     if bound.cancelled_caught:
         metrics.ABORTS.labels(result="timeout").inc()
         log.warning("abort of %s did not complete within %gs", request_id, serving.abort_timeout_s)
+
+
+async def probe_generation(serving: ServingContext, request_id: str, timeout_s: float) -> str | None:
+    """One real one-token generation (the canary a stalled engine must pass to be served again); None when the
+    engine answered it to its terminal within ``timeout_s``, else why not. A probe left unfinished is aborted."""
+    call = build_generate_request(
+        dict(HEALTH_CANARY_PAYLOAD),
+        request_id=request_id,
+        model=serving.model,
+        caps=serving.caps,
+        context_length=serving.context_length,
+        role="aggregated",
+        engine_detokenize=serving.engine_detokenize,
+    )
+    mapper = call.response_mapper()
+    done = False
+    try:
+        with trio.move_on_after(timeout_s):
+            async with serving.client.generate(call.request, metadata=call.metadata) as batches:
+                async for batch in batches:
+                    mapper.map(batch)
+                    if mapper.done:
+                        break
+            mapper.end_of_stream()
+            done = True
+    except (EngineRpcError, EngineFailure, ProtocolViolation) as exc:
+        return str(exc)
+    finally:
+        if not done:
+            await _abort(serving, request_id)
+    return None if done else f"no answer within {timeout_s:g}s"
 
 
 async def _answer_canary(serving: ServingContext) -> dict[str, Any]:
