@@ -214,13 +214,17 @@ async def serving_worker(engine: Engine, dynamo: Dynamo, *args: str) -> Worker:
     return worker
 
 
-async def run_watchers(nursery: trio.Nursery, worker: Worker, engine: Engine, dynamo: Dynamo) -> None:
+async def run_watchers(nursery: trio.Nursery, worker: Worker, engine: Any, dynamo: Any) -> None:
     """What ``Worker._run`` starts next to serving: the load poller (with the worker's identity) and the watches."""
     poller = partial(poll_load, identity=worker._identity)
     await nursery.start(poller, engine, Sink(), (0,), RoutingConfig(load_poll_interval_s=1.0))
     nursery.start_soon(worker._watch_engine, engine, dynamo)
     nursery.start_soon(worker._watch_identity, engine, dynamo)
     nursery.start_soon(worker._watch_stall, engine, dynamo)
+
+
+def state(worker: Worker) -> str:
+    return worker.lifecycle.state
 
 
 def body(**sampling: Any) -> dict[str, Any]:
@@ -317,7 +321,7 @@ async def test_a_lost_connection_to_an_engine_that_answers_as_another_instance_i
     engine, dynamo = Engine(), Dynamo()
     worker = await serving_worker(engine, dynamo)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(worker._watch_identity, engine, dynamo)
+        nursery.start_soon(worker._watch_identity, engine, dynamo)  # type: ignore[arg-type]
         engine.restart(instance="engine-2", context=512)
         worker.requests.connection_lost.set()  # what a request's UNAVAILABLE does
         with trio.fail_after(10):
@@ -331,7 +335,7 @@ async def test_a_lost_connection_to_the_same_engine_changes_nothing(autojump_clo
     engine, dynamo = Engine(), Dynamo()
     worker = await serving_worker(engine, dynamo)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(worker._watch_identity, engine, dynamo)
+        nursery.start_soon(worker._watch_identity, engine, dynamo)  # type: ignore[arg-type]
         worker.requests.connection_lost.set()
         await trio.sleep(5)
         nursery.cancel_scope.cancel()
@@ -365,10 +369,10 @@ async def test_a_hung_engine_withdraws_the_worker_at_the_first_timeout_and_a_can
             await complete(worker, body(), "hung-2")
         # Health stays READY all along; the worker stays withdrawn until a canary generation succeeds.
         await trio.sleep(12)
-        assert worker.lifecycle.state == "degraded"
+        assert state(worker) == "degraded"
         engine.producing = True
         with trio.fail_after(20):
-            while worker.lifecycle.state != "serving":
+            while state(worker) != "serving":
                 await trio.sleep(0.05)
         assert (await complete(worker, body(), "after"))[-1]["finish_reason"] == "length"
         nursery.cancel_scope.cancel()
