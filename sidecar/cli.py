@@ -310,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
         "DYN_SIDECAR_ENGINE_DETOKENIZE",
         "whether the engine detokenizes its output (the frontend detokenizes from the token ids anyway): auto = ask "
         "TensorRT-LLM not to (extra.detokenize=false), others yes; on = always; off = ask every engine not to. "
-        "Requests with top or prompt logprobs keep it, their token strings come from the engine",
+        "Requests with top or prompt logprobs or stop strings keep it (token strings; the text it holds back shows a "
+        "stop string completing)",
         default="auto",
         choices=("auto", "on", "off"),
     )

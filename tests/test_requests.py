@@ -375,6 +375,30 @@ async def test_a_frontend_stop_at_a_stop_string_followed_by_the_engines_finish_i
     assert ("finish", "finished") in recorder.events
 
 
+async def test_a_stop_string_completing_token_waits_for_its_finish_when_the_engine_sends_text(
+    autojump_clock: trio.testing.MockClock, recorder: Recorder
+) -> None:
+    """The engine cut the stop string from the text of the token that completed it: that token event has no text,
+    so the chunk waits for the next event and the finish joins it -- the frontend never sees the stop string alone,
+    and the usage (cached tokens) reaches the client. Failed before: the chunk went alone, the frontend ended the
+    stream at the stop string, the request was `cancelled` with an Abort."""
+    engine = ScriptedEngine(
+        [
+            (0.01, [token(0, 10, text="The")]),
+            (0.01, [token(0, 11, text="")]),
+            (0.005, [finished(0, pb.FINISH_REASON_STOP, usage=(3, 2), cached=2)]),
+        ]
+    )
+    frontend = Frontend({EOS}, ends_at={11})
+    await frontend.run(make_server(engine), natural(stop=[" the"]))
+    assert frontend.stopped_at is None
+    assert frontend.chunks[-1]["token_ids"] == [11]
+    assert frontend.usage is not None
+    assert frontend.usage["prompt_tokens_details"] == {"cached_tokens": 2}
+    assert recorder.final == "finished"
+    assert engine.aborts == []
+
+
 async def test_a_client_leaving_a_stop_string_request_mid_stream_is_still_a_cancel_with_abort(
     autojump_clock: trio.testing.MockClock, recorder: Recorder
 ) -> None:

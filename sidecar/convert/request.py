@@ -297,6 +297,8 @@ class GenerateCall:
         """
         stopping = self.request.stopping
         terminal = {c.stop_token_id for c in stopping.conditions if c.WhichOneof("condition") == "stop_token_id"}
+        detokenize = self.request.extra.fields.get(DETOKENIZE_KEY)
+        engine_text = detokenize is None or detokenize.WhichOneof("kind") != "bool_value" or detokenize.bool_value
         if not stopping.ignore_eos:
             terminal.update(eos_token_ids)
         return ResponseMapper(
@@ -310,6 +312,7 @@ class GenerateCall:
             terminal_ids=terminal,
             min_tokens=stopping.min_tokens,
             max_tokens=self.max_tokens,
+            stop_texts=bool(self.stop_texts) and engine_text,
         )
 
 
@@ -793,9 +796,13 @@ def _skip_engine_detokenize(
 ) -> None:
     """``extra.detokenize = false``: the frontend detokenizes from the token ids, so the engine's text of every token
     is thrown away (``tensorrt-llm-openengine.md`` §6). Kept on when the sidecar forwards the engine's token strings
-    (top logprobs, prompt logprobs) and when the request's own ``openengine-extra`` annotation decides."""
+    (top logprobs, prompt logprobs), when the request has stop strings (the text the engine holds back tells the
+    terminal hold that a stop string may be completing) and when the request's own ``openengine-extra`` annotation
+    decides."""
     if (logprobs or 0) > 0 or prompt_logprobs is not None or DETOKENIZE_KEY in target.extra.fields:
         return
+    if any(c.WhichOneof("condition") == "stop_text" for c in target.stopping.conditions):
+        return  # the engine's text shows a stop string in progress (ResponseMapper.awaits_terminal)
     target.extra.fields[DETOKENIZE_KEY].bool_value = False
 
 

@@ -40,8 +40,9 @@ Decisions:
   EOS and stop tokens itself, ends the stream at such a token and drops the chunk after it (``dynamo-runtime.md``
   §3.4; Dynamo's ``Backend`` stops only when the chunk has no ``finish_reason`` of its own). So the request task asks
   :meth:`~ResponseMapper.awaits_terminal` whether a chunk ends with a token after which the engine's terminal is due
-  (one of the request's EOS / stop token ids, or the output's ``max_tokens``-th token), holds it, and hands it back as
-  ``carry`` with the next batch, where the ``finished`` event joins it.
+  (one of the request's EOS / stop token ids, the output's ``max_tokens``-th token, or -- with stop strings -- a
+  token whose text the engine holds back), holds it, and hands it back as ``carry`` with the next batch, where the
+  ``finished`` event joins it.
 
 Disaggregated legs (``leg``, ``dynamo-sidecar.md`` §4.2):
 
@@ -112,6 +113,9 @@ class ResponseMapper:
         "_prompt_tokens",
         "_request_id",
         "_terminal_ids",
+        "_text_hold",
+        "_text_seen",
+        "_text_withheld",
     )
 
     def __init__(
@@ -127,6 +131,7 @@ class ResponseMapper:
         terminal_ids: Iterable[int] = (),
         min_tokens: int = 0,
         max_tokens: int | None = None,
+        stop_texts: bool = False,
     ) -> None:
         """``n`` outputs were asked for; ``logprobs`` as requested (None = not asked).
 
@@ -135,7 +140,8 @@ class ResponseMapper:
         ``prompt`` event then becomes the final chunk's ``engine_data.prompt_logprobs``.
 
         ``terminal_ids`` (the request's EOS and stop token ids), ``min_tokens`` and ``max_tokens`` tell
-        :meth:`awaits_terminal` which tokens the engine's terminal event follows.
+        :meth:`awaits_terminal` which tokens the engine's terminal event follows; ``stop_texts``: the request has stop
+        strings and the engine sends its text (see :meth:`awaits_terminal`).
         """
         if n < 1:
             raise ValueError(f"n must be ≥ 1, got {n}")
@@ -161,6 +167,9 @@ class ResponseMapper:
         self._terminal_ids = frozenset(terminal_ids)
         self._min_tokens = min_tokens
         self._max_tokens = max_tokens
+        self._text_hold = stop_texts
+        self._text_seen = [False] * n  # the engine sent text for this output (it detokenizes)
+        self._text_withheld = [False] * n  # its last token event had tokens but no text
 
     @property
     def done(self) -> bool:
@@ -223,6 +232,10 @@ class ResponseMapper:
                 infos = token.tokens
                 if not infos:
                     continue
+                if self._text_hold:
+                    if token.text:
+                        self._text_seen[index] = True
+                    self._text_withheld[index] = not token.text
                 ids = [info.token_id for info in infos]
                 self._completion[index] += len(ids)
                 last = tokens_to[-1] if tokens_to else None
@@ -434,6 +447,11 @@ class ResponseMapper:
         That is an output's last chunk ending with one of the request's EOS / stop token ids (once ``min_tokens``
         are out), or an output that has its ``max_tokens`` tokens. The frontend would end the stream at such a token
         and drop the ``finished`` that follows, so the caller holds the chunks for the next batch (bounded).
+
+        Stop strings are matched by the frontend on its own text, so no token id names the end. The engine matches
+        them too and holds back text that could begin one (TensorRT-LLM, ``openengine-mock``); when the stop string
+        completes, its text is cut. So with stop strings (and an engine that sends text at all) a token event that
+        carries tokens but no text is a candidate as well: the next event shows whether the engine finished there.
         """
         seen: set[int] = set()
         for chunk in reversed(chunks):
@@ -448,6 +466,9 @@ class ResponseMapper:
             if self._max_tokens is not None and count >= self._max_tokens:
                 return True
             if ids[-1] in self._terminal_ids and count >= self._min_tokens:
+                return True
+            if self._text_withheld[index] and self._text_seen[index] and count >= self._min_tokens:
+                # The engine holds this token's text back: it may be the start -- or the end -- of a stop string.
                 return True
         return False
 

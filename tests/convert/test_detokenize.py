@@ -42,8 +42,9 @@ def test_otherwise_the_engine_is_asked_not_to_detokenize_with_a_bool() -> None:
         ({"output_options": {"logprobs": 2}}, None),
         ({"output_options": {"prompt_logprobs": 1}}, PROMPT_LP),
         ({"annotations": ['openengine-extra:{"detokenize": true}']}, None),
+        ({"stop_conditions": {"stop": ["river"]}}, None),
     ],
-    ids=["top logprobs", "prompt logprobs", "the request's own extra"],
+    ids=["top logprobs", "prompt logprobs", "the request's own extra", "stop strings"],
 )
 def test_a_request_that_needs_the_engine_text_keeps_it(patch: dict[str, Any], capabilities: Any) -> None:
     kwargs = {"capabilities": capabilities} if capabilities is not None else {}

@@ -483,6 +483,32 @@ def test_a_held_chunk_and_the_next_batchs_finish_become_one_chunk() -> None:
     assert m.done
 
 
+def text_event(index: int, token_id: int, text: str) -> R:
+    event = token(index, token_id)
+    event.token.text = text
+    return event
+
+
+def test_with_stop_strings_a_token_whose_text_the_engine_holds_back_awaits_the_next_event() -> None:
+    """The engine holds back text that may begin a stop string and cuts the stop string when it completes: a token
+    event with tokens and no text may be the last one (only once the engine has shown it sends text)."""
+    m = holding_mapper(stop_texts=True)
+    assert not m.awaits_terminal(m.map([token(0, 5)])), "no text seen yet: the engine may not detokenize"
+    assert not m.awaits_terminal(m.map([text_event(0, 6, "The")]))
+    held = m.map([text_event(0, 7, "")])
+    assert m.awaits_terminal(held)
+    chunks = m.map([finished(0, STOP, stop_match=StopMatch(stop_text=" the"), with_usage=usage(3, 3))], carry=held)
+    assert chunks[0]["token_ids"] == [7]
+    assert chunks[0]["finish_reason"] == "stop"
+    assert "completion_usage" in chunks[0]
+
+
+def test_without_stop_strings_text_does_not_matter() -> None:
+    m = holding_mapper()
+    m.map([text_event(0, 6, "The")])
+    assert not m.awaits_terminal(m.map([text_event(0, 7, "")]))
+
+
 def test_a_held_chunk_followed_by_more_tokens_merges_with_them() -> None:
     m = holding_mapper(terminal_ids={2})
     held = m.map([token(0, 5, 2)])
