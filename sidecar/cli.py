@@ -261,8 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
         lifecycle,
         "--request-inactivity-timeout-secs",
         "DYN_SIDECAR_REQUEST_INACTIVITY_TIMEOUT_SECS",
-        "fail a request whose engine stream sends nothing for this long (a hung engine)",
-        default=120.0,
+        "fail a request whose engine stream sends nothing for this long (a hung engine); when no request got "
+        "anything from the engine for as long, the worker also withdraws until a canary generation succeeds",
+        default=60.0,
         type=_positive(float),
     )
     add(
@@ -311,6 +312,17 @@ def build_parser() -> argparse.ArgumentParser:
         "how often the worker checks that its discovery entry still exists (and restores it)",
         default=5.0,
         type=_positive(float),
+    )
+    add(
+        lifecycle,
+        "--engine-detokenize",
+        "DYN_SIDECAR_ENGINE_DETOKENIZE",
+        "whether the engine detokenizes its output (the frontend detokenizes from the token ids anyway): auto = ask "
+        "TensorRT-LLM not to (extra.detokenize=false), others yes; on = always; off = ask every engine not to. "
+        "Requests with top or prompt logprobs or stop strings keep it (token strings; the text it holds back shows a "
+        "stop string completing)",
+        default="auto",
+        choices=("auto", "on", "off"),
     )
     add(lifecycle, "--log-level", "DYN_LOG", "log level", default="info", choices=("debug", "info", "warning", "error"))
 
@@ -526,6 +538,7 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         lora_root=_lora_root(ns.lora_root),
         lora_load_timeout_s=_number(ns, "lora_load_timeout_secs", "--lora-load-timeout-secs", float),
         lora_fetch_timeout_s=_number(ns, "lora_fetch_timeout_secs", "--lora-fetch-timeout-secs", float),
+        engine_detokenize=ns.engine_detokenize,
     )
 
 

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["ENDPOINT_TYPES", "ConfigError", "DisaggregationMode", "SidecarConfig"]
+__all__ = ["ENDPOINT_TYPES", "ConfigError", "DisaggregationMode", "EngineDetokenize", "SidecarConfig"]
 
 DisaggregationMode = Literal["agg", "prefill", "decode"]
+EngineDetokenize = Literal["auto", "on", "off"]
 ENDPOINT_TYPES = ("chat", "completions")
 
 
@@ -68,6 +69,9 @@ class SidecarConfig:
     grpc_tls_key_password_file: Path | None = None
     #: With a TLS engine, forward KV events a non-loopback ZMQ publisher sends in plaintext (refused otherwise).
     kv_events_allow_plaintext: bool = False
+    #: ``auto``: ask the engine not to detokenize (``extra.detokenize = false``) when it is known to accept that
+    #: (TensorRT-LLM); ``on``: let it detokenize; ``off``: ask any engine not to.
+    engine_detokenize: EngineDetokenize = "auto"
 
 
 class ConfigError(ValueError):

@@ -8,6 +8,15 @@ worker, inside the worker's request nursery. The shape that guarantees exactly o
   ``Control.Abort(request_id)`` — shielded and time-bounded — besides cancelling the stream (RST_STREAM);
 * the final chunk is held until the engine closes the stream, so an event after the terminal still fails the
   request instead of slipping out after a success;
+* the chunk with an output's last token carries its ``finish_reason`` and usage: a chunk ending with a token the
+  engine's terminal follows (EOS / stop token id, the ``max_tokens``-th token) waits, bounded, for the next engine
+  event and the ``finished`` joins it. The frontend ends the stream at EOS, stop tokens and stop strings itself and
+  drops what follows; when it closes the stream after a chunk that may have completed the answer, the engine's next
+  event decides (read shielded, bounded): its terminal means a complete answer (``finished``, no Abort), anything
+  else a stop (``cancelled``, Abort);
+* tokens the engine sent before a terminal ``EngineError`` reach the client before the error;
+* one INFO line per request at its end (id, outcome, reason, tokens in/out, TTFT, duration); expected failures are
+  that one line, at WARNING, never a traceback;
 * a stop from the frontend cancels the task from outside (``cancel``); the worker cancels a request's own scope with
   a reason (drain deadline, engine lost), which becomes the matching migratable error.
 
@@ -19,12 +28,17 @@ under a shield, while a watcher task outside the shield turns the client's stop 
 the stop is delivered right after the first batch (``first_token`` → ``cancelled``, then ``Abort``). The worker's own
 cancellation (drain deadline, engine lost) reaches the shielded wait through the request's own scope and is never
 deferred; the inactivity timeout still bounds the wait.
+
+An inactivity timeout while no request got anything from the engine for as long means the engine is not producing:
+``RequestServer.on_stall`` (the worker's withdrawal) runs before the error reaches the frontend, so the frontend's
+migration goes to another worker instead of back to this one.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -47,10 +61,10 @@ from sidecar.ops import logs, metrics
 from statemachines import RequestLifecycle
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Awaitable, Callable
     from contextlib import AbstractAsyncContextManager
 
-    from sidecar.convert import Capabilities, GenerateCall
+    from sidecar.convert import Capabilities, GenerateCall, ResponseMapper
     from sidecar.convert.request import Role
     from sidecar.dynamo import RequestContext
     from sidecar.engine import EngineClient
@@ -65,6 +79,16 @@ CANARY_PAYLOAD: Final[dict[str, Any]] = {**HEALTH_CANARY_PAYLOAD, CANARY_KEY: Tr
 # After the terminal event the engine closes the stream at once (TensorRT-LLM does); one that does not is
 # tolerated, but not waited for longer than this.
 _EOF_GRACE_S: Final = 2.0
+# How long a chunk ending with a token the engine's terminal follows (EOS / stop token id, the max_tokens-th token)
+# waits for that terminal, and how long a close from the frontend after such a chunk waits to see it. The engine sends
+# its terminal with the last token (the same engine step); a gap is transport framing, far below one inter-token
+# interval. While the engine keeps generating, its next token ends the wait sooner; only an engine that stalls right
+# after such a token costs the whole bound.
+_TERMINAL_HOLD_S: Final = 0.25
+# How long a request arriving while the engine is being rediscovered waits for the new serving context.
+_PAUSE_WAIT_S: Final = 10.0
+# Bound on the worker's withdrawal when a request finds the engine not producing.
+_STALL_REPORT_S: Final = 5.0
 
 
 _Batch = list[generation_pb2.GenerateResponse]
@@ -87,6 +111,9 @@ class ServingContext:
     #: The worker's role as resolved at start-up (``Discovery.role``); None = the engine's reported role
     #: (``caps.engine_role``; aggregated when it reports none, as TensorRT-LLM does).
     role: Role | None = None
+    #: False: ask the engine not to detokenize (``extra.detokenize = false``) where the sidecar needs no engine text
+    #: (``--engine-detokenize``; the frontend detokenizes from the token ids).
+    engine_detokenize: bool = True
 
     @property
     def worker_role(self) -> Role:
@@ -108,6 +135,9 @@ class ActiveRequest:
     """
 
     lifecycle: RequestLifecycle
+    #: Prompt tokens, and the response mapper once the request is sent (its completion count): the load estimate.
+    prompt_tokens: int = 0
+    mapper: ResponseMapper | None = None
     waiting: trio.CancelScope | None = None
     # Set when the worker ends the request; it is what the client is told (a migratable error).
     worker_error: SidecarError | None = None
@@ -164,9 +194,21 @@ class RequestServer:
         #: Set when a request saw the engine unreachable, so the worker's health watch looks at once instead of at
         #: its next poll; the watch replaces it after each look.
         self.engine_trouble = trio.Event()
+        #: Set when a request lost its stream to a transport failure: whatever answers next may be another engine
+        #: (a quick restart), so the worker checks its identity. The worker replaces it after each look.
+        self.connection_lost = trio.Event()
         #: Batches delivered from the engine so far: lets the health watch tell a busy engine (Health slow, tokens
         #: flowing) from a lost one.
         self.progress = 0
+        #: When any request last got a batch from the engine: an inactivity timeout with nothing received by anyone
+        #: for as long means the engine is not producing (see :meth:`_report_stall`).
+        self._last_batch_at = -float("inf")
+        #: Called (awaited, bounded) when a request's inactivity timeout finds the engine not producing, before
+        #: the error goes to the frontend: the worker withdraws from routing there.
+        self.on_stall: Callable[[str], Awaitable[None]] | None = None
+        # pause(): new requests wait for the next attach() instead of being sent elsewhere.
+        self._paused = False
+        self._resumed = trio.Event()
 
     @property
     def serving(self) -> ServingContext | None:
@@ -175,6 +217,15 @@ class RequestServer:
     def attach(self, serving: ServingContext | None) -> None:
         """Start (or, with None, stop) serving: without a context new requests get a migratable error."""
         self._serving = serving
+        self._paused = False
+        self._resumed.set()
+        self._resumed = trio.Event()
+
+    def pause(self) -> None:
+        """Stop admitting until the next :meth:`attach`: new requests wait for it (up to 10 s) instead of being sent
+        elsewhere. For a rediscovery, whose new context arrives within moments."""
+        self._serving = None
+        self._paused = True
 
     @property
     def in_flight(self) -> int:
@@ -182,6 +233,12 @@ class RequestServer:
 
     def active_requests(self) -> list[ActiveRequest]:
         return list(self._active.values())
+
+    def tokens_in_flight(self) -> list[int]:
+        """Prompt + generated tokens of each request in flight (the load estimate for an engine without KV usage)."""
+        return [
+            r.prompt_tokens + (r.mapper.completion_tokens if r.mapper is not None else 0) for r in self._active.values()
+        ]
 
     async def wait_idle(self) -> None:
         """Return once no request is in flight."""
@@ -198,6 +255,11 @@ class RequestServer:
     async def handle(self, request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[list[dict[str, Any]]]:
         """The trio request handler given to the Dynamo adapter: yields batches of ``LLMEngineOutput`` chunks."""
         serving = self._serving
+        if serving is None and self._paused:
+            # The engine is being rediscovered (a restart was noticed): admit the request under the new context.
+            with trio.move_on_after(_PAUSE_WAIT_S):
+                await self._resumed.wait()
+            serving = self._serving
         if serving is None:
             raise WorkerDraining("worker is not serving (starting, degraded or draining); retry on another worker")
         if request.get(CANARY_KEY) is True:
@@ -208,6 +270,7 @@ class RequestServer:
         metrics.REQUESTS_RECEIVED.inc()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s: %s", ctx.request_id, request)
+        end = _RequestEnd(ctx.request_id, len(request.get("token_ids") or ()))
         try:
             trace = dict(ctx.trace_headers)
             call = build_generate_request(
@@ -218,26 +281,40 @@ class RequestServer:
                 context_length=serving.context_length,
                 trace=trace,
                 role=serving.worker_role,
+                engine_detokenize=serving.engine_detokenize,
             )
         except RequestRejected as exc:
             lifecycle.fire("reject", reason=str(exc))
             metrics.REQUESTS_ENDED.labels(outcome="rejected").inc()
-            log.info("request %s rejected: %s", ctx.request_id, exc)
+            end.log("rejected", str(exc))
             raise
         if ctx.request_id in self._active:
             lifecycle.fire("reject", reason="duplicate request id")
             metrics.REQUESTS_ENDED.labels(outcome="rejected").inc()
+            end.log("rejected", "duplicate request id")
             raise RequestRejected("request_id", f"{ctx.request_id!r} is already in flight on this worker")
 
-        active = ActiveRequest(lifecycle)
+        mapper = call.response_mapper(eos_token_ids=_eos_token_ids(request))
+        active = ActiveRequest(lifecycle, prompt_tokens=call.prompt_tokens, mapper=mapper)
         self._active[ctx.request_id] = active
         self._idle = trio.Event()
-        mapper = call.response_mapper()
+        # Stop strings are matched by the frontend on its own text: any chunk may be the one it ends the answer with.
+        stop_texts = bool(call.stop_texts)
         engine_holds_request = False
         outcome = "failed"
-        stats = metrics.RequestStats(len(request.get("token_ids") or ()))
+        stats = metrics.RequestStats(end.input_tokens)
+        end.stats = stats
         try:
             final: list[dict[str, Any]] = []
+            # Set when the frontend ended the stream and the engine's terminal followed: a complete answer.
+            ended_downstream = False
+            # Chunks ending with a token the engine's terminal follows, held (bounded) for that terminal so that
+            # the frontend gets the last token, finish_reason and usage in one chunk.
+            held: list[dict[str, Any]] = []
+            hold_deadline = 0.0
+            # Whether the client may already have its whole answer: the frontend ends the stream at EOS / stop
+            # tokens and stop strings itself, and its close is then no cancellation.
+            may_be_complete = False
             try:  # the engine stream's block: every way out of it goes through active.close_stream
                 first: _Batch | None = None
                 have_first = False
@@ -250,22 +327,47 @@ class RequestServer:
                     lifecycle.fire("submit")
                     stream = await active.open_stream(serving.client, call)
                 while True:
-                    # After the terminal event the engine closes the stream at once; wait briefly for that close so
-                    # an event after the terminal still fails the request instead of following a success.
-                    timeout_s = _EOF_GRACE_S if mapper.done else serving.inactivity_timeout_s
                     if have_first:
                         batch, have_first = first, False
                     else:
+                        if mapper.done:
+                            # After the terminal event the engine closes the stream at once; wait briefly for that
+                            # close so an event after the terminal still fails the request instead of following a
+                            # success.
+                            timeout_s = _EOF_GRACE_S
+                        elif held:
+                            timeout_s = max(hold_deadline - trio.current_time(), 0.0)
+                        else:
+                            timeout_s = serving.inactivity_timeout_s
                         try:
                             batch = await active.next_batch(stream, timeout_s)
                         except HungEngine:
-                            if not mapper.done:
+                            if mapper.done:
+                                log.warning(
+                                    "request %s: engine kept the stream open after its terminal", ctx.request_id
+                                )
+                                break
+                            if not held:
                                 raise
-                            log.warning("request %s: engine kept the stream open after its terminal", ctx.request_id)
-                            break
+                            # No terminal within the hold: the chunks go out as they are.
+                            chunks, held = held, []
+                            may_be_complete = True
+                            self.progress += 1
+                            end.sent(chunks)
+                            yield chunks
+                            continue
                     if batch is None:
                         break
-                    chunks = mapper.map(batch)
+                    self._last_batch_at = trio.current_time()
+                    chunks = mapper.map(batch, held)
+                    held = []
+                    if mapper.failure is not None:
+                        # Tokens, then the engine's terminal error: the tokens are the client's, the error follows.
+                        if lifecycle.state in ("submitted", "decoding"):
+                            lifecycle.fire("first_token")
+                        end.sent(chunks)
+                        yield chunks
+                        raise mapper.failure
                     if mapper.done:
                         if mapper.handed_off:
                             lifecycle.fire("handoff")
@@ -273,11 +375,24 @@ class RequestServer:
                         continue
                     if lifecycle.state in ("submitted", "decoding"):
                         lifecycle.fire("first_token")
-                    if chunks:
-                        self.progress += 1
-                        stats.chunks(chunks)
-                        yield chunks
+                    if not chunks:
+                        continue
+                    if mapper.awaits_terminal(chunks):
+                        held = chunks
+                        hold_deadline = trio.current_time() + _TERMINAL_HOLD_S
+                        continue
+                    may_be_complete = stop_texts
+                    self.progress += 1
+                    end.sent(chunks)
+                    yield chunks
             except BaseException as exc:
+                if (
+                    isinstance(exc, trio.Cancelled | GeneratorExit)
+                    and may_be_complete
+                    and lifecycle.state == "streaming"
+                    and active.worker_error is None
+                ):
+                    ended_downstream = await _terminal_follows(stream, mapper)
                 await active.close_stream(exc)
                 raise
             await active.close_stream(None)
@@ -286,10 +401,19 @@ class RequestServer:
             mapper.end_of_stream()
             lifecycle.fire("finish")
             outcome = "finished"
+            end.finished(final)
             if final:
-                stats.chunks(final)
+                end.sent(final)
                 yield final
         except (trio.Cancelled, GeneratorExit):
+            if ended_downstream:
+                # The frontend ended the stream at the answer's last token (EOS, stop token or string) and the engine's
+                # terminal followed: a complete answer, nothing to abort.
+                engine_holds_request = False
+                lifecycle.fire("finish", reason="the frontend ended the stream at the answer's last token")
+                outcome = "finished"
+                end.reason = "ended by the frontend at the answer's last token"
+                raise
             # The client (or Dynamo) stopped the request (a decode leg's deferred stop is already `cancelled`).
             if lifecycle.state == "prefill_ready":
                 log.warning(
@@ -300,11 +424,12 @@ class RequestServer:
             lifecycle.fire("cancel", reason="stopped by the client")
             if lifecycle.state == "cancelled":
                 outcome = "cancelled"
+            end.reason = end.reason or "stopped by the client"
             raise
         except ProtocolViolation as exc:
             metrics.PROTOCOL_VIOLATIONS.labels(violation=exc.violation.value).inc()
             lifecycle.fire("fail", reason=str(exc))
-            log.error("request %s: %s", ctx.request_id, exc)
+            end.failed(str(exc), logging.ERROR)
             raise
         except (EngineRpcError, EngineFailure) as exc:
             # An engine that broke off the stream, refused the request or ended it with a terminal error no longer
@@ -312,21 +437,26 @@ class RequestServer:
             engine_holds_request = False
             if isinstance(exc, EngineRpcError) and exc.code is GrpcCode.UNAVAILABLE:
                 self.engine_trouble.set()
+                self.connection_lost.set()
             lifecycle.fire("fail", reason=str(exc))
-            log.warning("request %s: %s", ctx.request_id, exc)
+            end.failed(str(exc), logging.WARNING)
             raise
         except SidecarError as exc:
             if exc is active.worker_error:
                 # Ended by the worker (drain deadline, engine lost): cancelled, and the client migrates.
                 lifecycle.fire("cancel", reason=str(exc))
                 outcome = "cancelled"
+                end.reason = str(exc)
                 raise
+            if isinstance(exc, HungEngine):
+                await self._report_stall(serving, exc)
             lifecycle.fire("fail", reason=str(exc))
-            log.warning("request %s: %s", ctx.request_id, exc)
+            end.failed(str(exc), logging.WARNING)
             raise
         except Exception as exc:
             lifecycle.fire("fail", reason=f"{type(exc).__name__}: {exc}")
             log.exception("request %s failed", ctx.request_id)
+            end.failed(f"{type(exc).__name__}: {exc}", logging.ERROR)
             raise
         finally:
             # Every path reaches a terminal state; a cancel after a terminal is a documented no-op.
@@ -335,9 +465,99 @@ class RequestServer:
             stats.end(code=metrics.rpc_code(sys.exc_info()[1]))
             if engine_holds_request:
                 await _abort(serving, ctx.request_id)
+            end.log(outcome)
             del self._active[ctx.request_id]
             if not self._active:
                 self._idle.set()
+
+    async def _report_stall(self, serving: ServingContext, error: HungEngine) -> None:
+        """An inactivity timeout: when no request got anything from the engine for as long, the engine is not
+        producing, and the worker withdraws (``on_stall``) before the error reaches the frontend, so that its
+        migration lands on another worker instead of this wedged one."""
+        silent_s = trio.current_time() - self._last_batch_at
+        if self.on_stall is None or silent_s < serving.inactivity_timeout_s:
+            return  # other requests got tokens meanwhile: this request is stuck, not the engine
+        with trio.CancelScope(shield=True), trio.move_on_after(_STALL_REPORT_S):
+            await self.on_stall(f"engine not producing: nothing from the engine for {silent_s:.3g}s ({error})")
+
+
+@dataclass(slots=True)
+class _RequestEnd:
+    """The one line logged when a request ends: id, outcome, reason, tokens in/out, TTFT, duration.
+
+    Expected endings (finished, rejected, cancelled, an engine error, a lost engine, a drain deadline) are one line
+    each, never a traceback; a bug gets its traceback from ``log.exception`` besides this line.
+    """
+
+    request_id: str
+    input_tokens: int
+    started: float = field(default_factory=time.monotonic)
+    stats: metrics.RequestStats | None = None
+    reason: str = ""
+    level: int = logging.INFO
+
+    first_token_at: float | None = None
+
+    def sent(self, chunks: list[dict[str, Any]]) -> None:
+        """Chunks about to be handed to Dynamo: counted (``RequestStats``), the first token stamps the TTFT."""
+        assert self.stats is not None
+        self.stats.chunks(chunks)
+        if self.first_token_at is None and self.stats.output_tokens:
+            self.first_token_at = time.monotonic()
+
+    def finished(self, final: list[dict[str, Any]]) -> None:
+        reasons = [str(c["finish_reason"]) for c in final if "finish_reason" in c]
+        self.reason = ", ".join(dict.fromkeys(reasons)) or "end of stream"
+
+    def failed(self, reason: str, level: int) -> None:
+        self.reason = reason
+        self.level = level
+
+    def log(self, outcome: str, reason: str | None = None) -> None:
+        if not log.isEnabledFor(self.level):
+            return
+        output = self.stats.output_tokens if self.stats is not None else 0
+        ttft = None if self.first_token_at is None else self.first_token_at - self.started
+        log.log(
+            self.level,
+            "request %s %s (%s): %d in / %d out tokens, TTFT %s, %.0f ms",
+            self.request_id,
+            outcome,
+            reason if reason is not None else (self.reason or "-"),
+            self.input_tokens,
+            output,
+            "-" if ttft is None else f"{ttft * 1000:.0f} ms",
+            (time.monotonic() - self.started) * 1000,
+        )
+
+
+def _eos_token_ids(request: dict[str, Any]) -> list[int]:
+    """``PreprocessedRequest.eos_token_ids`` as far as they are token ids (the engine is not sent them: only the
+    terminal hold reads them, so a malformed list is ignored rather than refused)."""
+    raw = request.get("eos_token_ids")
+    if not isinstance(raw, list | tuple):
+        return []
+    return [i for i in raw if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
+
+
+async def _terminal_follows(stream: AsyncIterator[_Batch], mapper: ResponseMapper) -> bool:
+    """The frontend closed the stream after a chunk that may have completed the answer: read the engine's next
+    events (shielded, bounded by one hold). True when its terminal follows, i.e. the answer was complete; False
+    when it goes on generating (a real stop), errs, or stays silent."""
+    with trio.CancelScope(shield=True), trio.move_on_after(_TERMINAL_HOLD_S):
+        while True:
+            try:
+                batch = await anext(stream)
+                chunks = mapper.map(batch)
+            except Exception:  # StopAsyncIteration (EOF without a terminal), a transport error, a breach, an error
+                return False
+            if mapper.failure is not None:
+                return False
+            if mapper.done:
+                return not mapper.handed_off
+            if any(chunk["token_ids"] for chunk in chunks):
+                return False
+    return False
 
 
 async def _open_deferring_stop(
@@ -405,6 +625,37 @@ async def _abort(serving: ServingContext, request_id: str) -> None:
     if bound.cancelled_caught:
         metrics.ABORTS.labels(result="timeout").inc()
         log.warning("abort of %s did not complete within %gs", request_id, serving.abort_timeout_s)
+
+
+async def probe_generation(serving: ServingContext, request_id: str, timeout_s: float) -> str | None:
+    """One real one-token generation (the canary a stalled engine must pass to be served again); None when the
+    engine answered it to its terminal within ``timeout_s``, else why not. A probe left unfinished is aborted."""
+    call = build_generate_request(
+        dict(HEALTH_CANARY_PAYLOAD),
+        request_id=request_id,
+        model=serving.model,
+        caps=serving.caps,
+        context_length=serving.context_length,
+        role="aggregated",
+        engine_detokenize=serving.engine_detokenize,
+    )
+    mapper = call.response_mapper()
+    done = False
+    try:
+        with trio.move_on_after(timeout_s):
+            async with serving.client.generate(call.request, metadata=call.metadata) as batches:
+                async for batch in batches:
+                    mapper.map(batch)
+                    if mapper.done:
+                        break
+            mapper.end_of_stream()
+            done = True
+    except (EngineRpcError, EngineFailure, ProtocolViolation) as exc:
+        return str(exc)
+    finally:
+        if not done:
+            await _abort(serving, request_id)
+    return None if done else f"no answer within {timeout_s:g}s"
 
 
 async def _answer_canary(serving: ServingContext) -> dict[str, Any]:

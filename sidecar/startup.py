@@ -218,6 +218,21 @@ async def wait_ready(client: EngineClient, *, deadline: float, retry_interval_s:
         await trio.sleep(retry_interval_s)
 
 
+#: Engines known to accept ``extra.detokenize`` as a bool (``tensorrt-llm-openengine.md`` §6): ``--engine-detokenize
+#: auto`` asks these not to detokenize.
+DETOKENIZE_SWITCH_ENGINES: Final = frozenset({"tensorrt_llm"})
+
+
+def engine_detokenizes(mode: str, engine_name: str) -> bool:
+    """Whether requests leave the engine's detokenization on (``--engine-detokenize``): the frontend detokenizes
+    from the token ids, so the engine's text is thrown away; an engine that does not know the switch may refuse it."""
+    if mode == "on":
+        return True
+    if mode == "off":
+        return False
+    return engine_name not in DETOKENIZE_SWITCH_ENGINES
+
+
 def registration_for(discovery: Discovery, config: SidecarConfig) -> Registration:
     """The model card and runtime config published to Dynamo, from what discovery reported."""
     caps = discovery.caps

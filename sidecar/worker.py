@@ -19,6 +19,7 @@ import os
 import random
 import signal
 from collections.abc import Awaitable, MutableMapping
+from functools import partial
 from typing import TYPE_CHECKING, Final
 
 import trio
@@ -29,12 +30,20 @@ from sidecar.dynamo import ControlPlaneError, ControlPlaneUnreachable, DynamoSet
 from sidecar.edge import open_edge
 from sidecar.engine import EngineClientConfig, SchemaIncompatible, open_engine_client, parse_endpoint
 from sidecar.errors import EngineGone, EngineRpcError, GrpcCode, WorkerDraining
-from sidecar.kv import RoutingPlan, discover_routing, routing_config, run_routing_signals
+from sidecar.kv import EngineIdentity, RoutingPlan, discover_routing, routing_config, run_routing_signals
 from sidecar.lora import LoraManager, LoraSettings, observe_lora
 from sidecar.ops import logs, metrics
 from sidecar.ops.server import serve_live_state
-from sidecar.requests import CANARY_PAYLOAD, RequestServer, ServingContext
-from sidecar.startup import Discovery, StartupRefused, check_unchanged, discover, registration_for, wait_ready
+from sidecar.requests import CANARY_PAYLOAD, RequestServer, ServingContext, probe_generation
+from sidecar.startup import (
+    Discovery,
+    StartupRefused,
+    check_unchanged,
+    discover,
+    engine_detokenizes,
+    registration_for,
+    wait_ready,
+)
 from statemachines import LORA, WORKER, WorkerLifecycle
 
 if TYPE_CHECKING:
@@ -99,6 +108,20 @@ class Worker:
         self._discovery: Discovery | None = None
         self._routing: RoutingPlan | None = None
         self._lora: LoraManager | None = None
+        # The engine as the load poller sees it between health polls: a restart (new instance id), an answer.
+        self._identity = EngineIdentity()
+        # One reconnection at a time (the health watch and the identity watch may both find the engine changed);
+        # the generation counts completed ones, so a second finder whose engine was already rediscovered stands down.
+        self._reconnecting = trio.Lock()
+        self._engine_generation = 0
+        # Why the worker is degraded for an engine that stopped producing (None: it is not); a canary generation
+        # ends it (_watch_stall), not Health, which stays READY on a wedged engine.
+        self._stalled: str | None = None
+        self._stall_noticed = trio.Event()
+        self._stall_withdrawn = trio.Event()
+        self._dynamo: DynamoWorker | None = None
+        self.requests.on_stall = self._engine_stalled
+        self._engine_detokenize: bool | None = None  # the last decision logged
 
     async def watch_signals(self) -> None:
         """First SIGTERM/SIGINT drains; a second one skips waiting for in-flight requests."""
@@ -153,11 +176,13 @@ class Worker:
                 return 0
 
             self._discovery = first
+            self._identity.expect(first.caps.instance_id)
             # KV event sources are discovered before registering: with events, the model registers for KV routing.
             plan = self._routing = await discover_routing(client, first.caps, routing_config(config))
             registration = self._registration(first)
             settings = _dynamo_settings(config, first.role)
             async with open_dynamo(edge, settings) as dynamo, trio.open_nursery() as request_nursery:
+                self._dynamo = dynamo
                 await dynamo.export_metrics(metrics.exposition, metrics.typed_families)
                 self.requests.attach(self._serving(client, first))
                 await dynamo.register(registration)
@@ -166,8 +191,13 @@ class Worker:
                     await self._serve_loras(client, dynamo, request_nursery, registration)
                 life.fire("registered", reason=f"model {registration.served_model_name!r}")
                 async with trio.open_nursery() as watchers:
-                    await watchers.start(run_routing_signals, client, dynamo, plan, routing_config(config))
+                    signals = partial(
+                        run_routing_signals, identity=self._identity, in_flight=self.requests.tokens_in_flight
+                    )
+                    await watchers.start(signals, client, dynamo, plan, routing_config(config))
                     watchers.start_soon(self._watch_engine, client, dynamo)
+                    watchers.start_soon(self._watch_identity, client, dynamo)
+                    watchers.start_soon(self._watch_stall, client, dynamo)
                     watchers.start_soon(self._watch_registration, dynamo)
                     await _first_of(self._stop, self._fatal)
                     watchers.cancel_scope.cancel(reason="worker stopping")
@@ -217,6 +247,15 @@ class Worker:
         return 1
 
     def _serving(self, client: EngineClient, discovery: Discovery) -> ServingContext:
+        detokenize = engine_detokenizes(self.config.engine_detokenize, discovery.caps.engine_name)
+        if detokenize != self._engine_detokenize:
+            self._engine_detokenize = detokenize
+            log.info(
+                "engine detokenization %s (--engine-detokenize %s, engine %s)",
+                "on" if detokenize else "off for requests without top or prompt logprobs (extra.detokenize=false)",
+                self.config.engine_detokenize,
+                discovery.caps.engine_name,
+            )
         return ServingContext(
             client=client,
             caps=discovery.caps,
@@ -225,6 +264,7 @@ class Worker:
             abort_timeout_s=self.config.abort_timeout_s,
             inactivity_timeout_s=self.config.request_inactivity_timeout_s,
             role=discovery.role,
+            engine_detokenize=detokenize,
         )
 
     async def _discover_until_ready(self, client: EngineClient, deadline: float) -> Discovery:
@@ -301,6 +341,10 @@ class Worker:
 
     async def _recover(self, client: EngineClient, dynamo: DynamoWorker) -> None:
         assert self._discovery is not None
+        if self._stalled is not None:
+            # Withdrawn because the engine stopped producing: its Health says READY regardless. Only a canary
+            # generation brings the worker back (_watch_stall).
+            return
         self.lifecycle.fire("recover", reason="engine health READY")
         self.requests.attach(self._serving(client, self._discovery))
         await dynamo.restore()
@@ -308,7 +352,20 @@ class Worker:
         metrics.HEALTH_TRANSITIONS.labels(change="recovered").inc()
 
     async def _engine_lost(self, client: EngineClient, dynamo: DynamoWorker, reason: str) -> None:
-        """reconnecting: withdraw, fail in-flight requests migratably, reconnect with backoff, rediscover."""
+        """reconnecting: withdraw, fail in-flight requests migratably, reconnect with backoff, rediscover.
+
+        Also the way back from a quick engine restart (``_watch_identity``): the same rediscovery, and the model card
+        is registered again with what the new engine reports. One at a time: a second caller whose engine was
+        rediscovered while it waited stands down.
+        """
+        generation = self._engine_generation
+        async with self._reconnecting:
+            if generation != self._engine_generation or self.lifecycle.state not in ("serving", "degraded"):
+                return
+            await self._reconnect(client, dynamo, reason)
+            self._engine_generation += 1
+
+    async def _reconnect(self, client: EngineClient, dynamo: DynamoWorker, reason: str) -> None:
         life = self.lifecycle
         config = self.config
         if config.exit_on_engine_loss:
@@ -330,8 +387,13 @@ class Worker:
                 break
             except EngineRpcError as exc:
                 log.info("engine not back yet (%s); retrying in %.1fs", exc, backoff)
-            # Exponential backoff with jitter, capped: many workers must not hammer a restarting engine in step.
-            await trio.sleep(backoff * random.uniform(0.8, 1.2))
+            # Exponential backoff with jitter, capped: many workers must not hammer a restarting engine in step. The
+            # load poller keeps asking the engine every second meanwhile: its first answer ends the wait, so serving
+            # resumes within moments of the engine's return however long the outage (the backoff alone waited up to
+            # its 30 s cap).
+            self._identity.answered = trio.Event()
+            with trio.move_on_after(backoff * random.uniform(0.8, 1.2)):
+                await self._identity.answered.wait()
             backoff = min(backoff * 2, config.reconnect_backoff_max_s)
         life.fire("reconnected")
         try:
@@ -344,9 +406,13 @@ class Worker:
         if self._lora is not None:
             # Before routing resumes: a request for an adapter the restarted engine lacks would fail with NOT_FOUND.
             await self._lora.sync(engine_restarted=True)
+        self._identity.expect(self._discovery.caps.instance_id)
+        self._stalled = None  # a stall is over with the rediscovered engine
+        # The card first: what the engine now reports (capabilities, limits) is registered before the instance is
+        # routable again.
+        await dynamo.register(self._registration(self._discovery))
         self.requests.attach(self._serving(client, self._discovery))
         await dynamo.restore()
-        await dynamo.register(self._registration(self._discovery))
         life.fire("registered", reason="engine back")
         metrics.RECONNECTS.labels(stage="recovered").inc()
 
@@ -372,6 +438,96 @@ class Worker:
         await client.wait_drained(timeout_s=self.config.drain_timeout_s)
         if life.state == "degraded":
             await self._engine_lost(client, dynamo, f"the engine went away ({reason})")
+
+    async def _watch_identity(self, client: EngineClient, dynamo: DynamoWorker) -> None:
+        """A new engine identity runs the rediscovery of a lost engine, even when the restart was too quick for the
+        health watch: the load poller reports a new ``instance_id``, or a request lost its connection and the engine
+        that answers now reports something else (instance, capabilities, limits, model, role, schema). Changed
+        capabilities and limits are registered again (model card) before requests are admitted again."""
+        while True:
+            changed = self._identity.changed
+            lost = self.requests.connection_lost
+            await _first_of(changed, lost)
+            if changed.is_set():
+                seen = self._identity.seen
+                reason = f"engine restarted: instance {self._identity.expected!r} is now {seen!r}"
+            else:
+                self.requests.connection_lost = trio.Event()
+                found = await self._engine_changed(client)
+                if found is None:
+                    continue
+                reason = f"engine changed after a lost connection: {found}"
+            if self.lifecycle.state not in ("serving", "degraded"):
+                self._identity.expect(self._identity.expected)  # reconnecting already: it rediscovers anyway
+                continue
+            log.warning("%s; rediscovering it", reason)
+            await self._engine_lost(client, dynamo, reason)
+
+    async def _engine_changed(self, client: EngineClient) -> str | None:
+        """What differs in the engine that answers now from the one discovered (None: nothing, or no answer yet --
+        the health watch then deals with an engine that is gone)."""
+        old = self._discovery
+        if old is None:
+            return None
+        try:
+            with trio.fail_after(self.config.grpc_rpc_timeout_s):
+                new = await discover(client, self.config)
+        except (EngineRpcError, StartupRefused, SchemaIncompatible, trio.TooSlowError) as exc:
+            # A refusal is for the rediscovery to report (it fails the worker); no answer is the health watch's.
+            return None if isinstance(exc, EngineRpcError | trio.TooSlowError) else str(exc)
+        differences = [
+            what
+            for what, before, after in (
+                ("instance", old.caps.instance_id, new.caps.instance_id),
+                ("role", old.role, new.role),
+                ("model", old.model, new.model),
+                ("schema release", old.server.schema_release, new.server.schema_release),
+                ("capabilities", old.caps, new.caps),
+                ("context length", old.context_length, new.context_length),
+            )
+            if before != after
+        ]
+        return ", ".join(differences) or None
+
+    async def _engine_stalled(self, reason: str) -> None:
+        """``RequestServer.on_stall``: the engine stopped producing (an inactivity timeout with nothing received by
+        any request). Withdraw from routing before that request's error reaches the frontend, whose migration must
+        land on another worker (with one worker the client gets a 503 after one timeout, not four). A canary
+        generation brings the worker back (:meth:`_watch_stall`)."""
+        if self.lifecycle.state == "serving" and self._dynamo is not None:
+            self._stalled = reason
+            self._stall_withdrawn = trio.Event()
+            self.lifecycle.fire("degrade", reason=reason)
+            self.requests.attach(None)
+            metrics.HEALTH_TRANSITIONS.labels(change="degraded").inc()
+            self._stall_noticed.set()
+            await _best_effort("withdrawal from routing", self._dynamo.withdraw(), self.config.grpc_rpc_timeout_s)
+            self._stall_withdrawn.set()
+        elif self._stalled is not None:
+            await self._stall_withdrawn.wait()  # another request is withdrawing the worker: this error waits too
+
+    async def _watch_stall(self, client: EngineClient, dynamo: DynamoWorker) -> None:
+        """While withdrawn for a stall: a one-token canary generation every health poll interval; the first that the
+        engine answers to its end restores the worker."""
+        probes = 0
+        while True:
+            await self._stall_noticed.wait()
+            self._stall_noticed = trio.Event()
+            while self._stalled is not None and self.lifecycle.state == "degraded" and self._discovery is not None:
+                await trio.sleep(self.config.health_poll_interval_s)
+                probes += 1
+                failure = await probe_generation(
+                    self._serving(client, self._discovery),
+                    f"openengine-sidecar-canary-{os.getpid()}-{probes}",
+                    self.config.request_inactivity_timeout_s,
+                )
+                if failure is not None:
+                    log.warning("canary generation failed (%s): still withdrawn", failure)
+                    continue
+                if self._stalled is not None and self.lifecycle.state == "degraded":
+                    log.info("canary generation answered: the engine produces again")
+                    self._stalled = None
+                    await self._recover(client, dynamo)
 
     async def _watch_registration(self, dynamo: DynamoWorker) -> None:
         """File discovery never restores an expired or deleted entry by itself: put ours back when it goes."""

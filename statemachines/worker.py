@@ -19,14 +19,17 @@
 # never reconnects; we do not):
 #
 # * `degrade`:     serving, but the engine's Health is not READY or Health RPCs fail, or the engine announced that
-#                  it is stopping (GOAWAY).  The worker withdraws its Dynamo endpoint instance so the router stops
-#                  sending it work; in-flight requests continue (after a GOAWAY, until the engine closes its
+#                  it is stopping (GOAWAY), or a request's inactivity timeout found the engine not producing at all
+#                  (Health may say READY then).  The worker withdraws its Dynamo endpoint instance so the router
+#                  stops sending it work; in-flight requests continue (after a GOAWAY, until the engine closes its
 #                  connections; then `engine_lost`).
-# * `recover`:     Health is READY again -> `registering` re-registers, then `registered` -> serving.
-# * `engine_lost`: the channel to the engine is gone (restart, crash, network).  In-flight requests are failed with
-#                  a migratable error, the registration is withdrawn, the worker reconnects with backoff; on
-#                  `reconnected` it goes back through discovering (which refuses a changed role or model),
-#                  waiting_ready and registering -- the same checks as a cold start.
+# * `recover`:     Health is READY again (after a stall: a canary generation was answered) -> `registering`
+#                  re-registers, then `registered` -> serving.
+# * `engine_lost`: the channel to the engine is gone (restart, crash, network), or another engine answers on it (a
+#                  new instance id, a quick restart).  In-flight requests are failed with a migratable error, the
+#                  registration is withdrawn, the worker reconnects with backoff; on `reconnected` it goes back
+#                  through discovering (which refuses a changed role or model), waiting_ready and registering -- the
+#                  same checks as a cold start, and the model card is registered again with what the engine reports.
 #
 # Shutdown has two doors.  `drain` (SIGTERM, from any non-terminal state): stop accepting, deregister, put a
 # deadline on the in-flight requests, abort stragglers; `drained` when the request nursery is empty.  `stop` is the
@@ -196,17 +199,20 @@ STATE_DOCS: dict[WorkerState, StateDoc] = {
         action="Nothing.",
     ),
     "degraded": StateDoc(
-        meaning="The engine is reachable but not healthy (Health not READY or Health RPCs failing), or it announced "
-        "that it is stopping (GOAWAY). The endpoint instance is withdrawn so no new requests are routed here; "
-        "in-flight requests continue.",
-        operator_sees="A warning with the reason (health state, RPC error, or 'the engine is going away'); /health "
-        "503; traffic moves to other workers, or new requests get 503 if there are none.",
-        action="Check the engine (overload, GPU error, model reload). The worker re-registers by itself when "
-        "Health is READY again.",
+        meaning="The engine is reachable but not healthy (Health not READY or Health RPCs failing), it announced "
+        "that it is stopping (GOAWAY), or it stopped producing (a request's inactivity timeout with nothing from the "
+        "engine for any request, while Health may still say READY). The endpoint instance is withdrawn so no new "
+        "requests are routed here; in-flight requests continue.",
+        operator_sees="A warning with the reason (health state, RPC error, 'the engine is going away', 'engine not "
+        "producing'); /health 503; traffic moves to other workers, or new requests get 503 if there are none.",
+        action="Check the engine (overload, GPU error, model reload, a wedged generation loop). The worker "
+        "re-registers by itself when Health is READY again -- after 'engine not producing', when a one-token canary "
+        "generation is answered; after a GOAWAY, when the engine is back.",
     ),
     "reconnecting": StateDoc(
-        meaning="The connection to the engine was lost; registration withdrawn, in-flight requests failed with a "
-        "migratable error, reconnecting with backoff.",
+        meaning="The connection to the engine was lost, or a restarted engine answers (a new instance id); "
+        "registration withdrawn, in-flight requests failed with a migratable error, reconnecting with backoff (cut "
+        "short as soon as the load poller gets an answer).",
         operator_sees="An error naming the lost connection, then throttled retry logs; /health 503; clients of "
         "in-flight requests migrate (if the frontend's migration limit allows) or get an error.",
         action="Check whether the engine restarted or crashed. The worker rediscovers and re-registers by itself "

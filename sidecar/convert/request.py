@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
@@ -283,8 +283,24 @@ class GenerateCall:
         request_id: str = self.request.request_id
         return request_id
 
-    def response_mapper(self) -> ResponseMapper:
-        """A fresh :class:`ResponseMapper` for this call's response stream."""
+    @property
+    def stop_texts(self) -> tuple[str, ...]:
+        """The stop strings sent (the frontend matches them on its own text, see :mod:`.response`)."""
+        return tuple(c.stop_text for c in self.request.stopping.conditions if c.WhichOneof("condition") == "stop_text")
+
+    def response_mapper(self, eos_token_ids: Iterable[int] = ()) -> ResponseMapper:
+        """A fresh :class:`ResponseMapper` for this call's response stream.
+
+        ``eos_token_ids``: the request's EOS ids (``PreprocessedRequest.eos_token_ids``, which the engine is not sent);
+        with the stop token ids they are the tokens whose chunk waits for the engine's terminal (unless
+        ``ignore_eos``).
+        """
+        stopping = self.request.stopping
+        terminal = {c.stop_token_id for c in stopping.conditions if c.WhichOneof("condition") == "stop_token_id"}
+        detokenize = self.request.extra.fields.get(DETOKENIZE_KEY)
+        engine_text = detokenize is None or detokenize.WhichOneof("kind") != "bool_value" or detokenize.bool_value
+        if not stopping.ignore_eos:
+            terminal.update(eos_token_ids)
         return ResponseMapper(
             self.request_id,
             n=self.n,
@@ -293,6 +309,10 @@ class GenerateCall:
             leg=self.leg,
             cached_tokens=self.prefill_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
+            terminal_ids=terminal,
+            min_tokens=stopping.min_tokens,
+            max_tokens=self.max_tokens,
+            stop_texts=bool(self.stop_texts) and engine_text,
         )
 
 
@@ -389,12 +409,15 @@ def build_generate_request(
     context_length: int,
     trace: Mapping[str, str] | None = None,
     role: Role = "aggregated",
+    engine_detokenize: bool = True,
 ) -> GenerateCall:
     """Map one Dynamo ``PreprocessedRequest`` dict to a ``Generate`` call for a worker of ``role``.
 
     ``context_length`` is the window in force (configured, else ``ModelInfo.max_context_length``);
-    ``trace`` holds the caller's ``traceparent``/``tracestate``. Raises only
-    :class:`~sidecar.errors.RequestRejected`, naming the offending field (``sampling_options.top_k``).
+    ``trace`` holds the caller's ``traceparent``/``tracestate``. ``engine_detokenize=False``: the engine is known to
+    accept ``extra.detokenize`` (a bool) and is asked not to detokenize, unless the request needs the engine's token
+    text (see :func:`_skip_engine_detokenize`). Raises only :class:`~sidecar.errors.RequestRejected`, naming the
+    offending field (``sampling_options.top_k``).
     """
     checked: object = request  # the binding hands us Any; check what it really is
     if not isinstance(checked, Mapping):
@@ -436,6 +459,8 @@ def build_generate_request(
     _map_lora(result, routing, caps)
     _map_media(result, request, extra_args, caps)
     _map_extra(result, request)
+    if not engine_detokenize:
+        _skip_engine_detokenize(result, logprobs, prompt_logprobs)
     engine_metadata = _engine_metadata(routing, caps, leg)
     cached: int | None = None
     if leg == "prefill":
@@ -760,6 +785,25 @@ def _engine_metadata(routing: Mapping[str, Any], caps: Capabilities, leg: Role) 
         raise RequestRejected(f"routing.{key}", f"rank {rank} is outside the engine's ranks [{start}, {start + size})")
     metadata.append(("openengine-target-dp-rank", str(rank)))
     return metadata
+
+
+#: ``GenerateRequest.extra`` key of TensorRT-LLM's detokenization switch (a bool: the string "false" is refused).
+DETOKENIZE_KEY: Final = "detokenize"
+
+
+def _skip_engine_detokenize(
+    target: generation_pb2.GenerateRequest, logprobs: int | None, prompt_logprobs: int | None
+) -> None:
+    """``extra.detokenize = false``: the frontend detokenizes from the token ids, so the engine's text of every token
+    is thrown away (``tensorrt-llm-openengine.md`` §6). Kept on when the sidecar forwards the engine's token strings
+    (top logprobs, prompt logprobs), when the request has stop strings (the text the engine holds back tells the
+    terminal hold that a stop string may be completing) and when the request's own ``openengine-extra`` annotation
+    decides."""
+    if (logprobs or 0) > 0 or prompt_logprobs is not None or DETOKENIZE_KEY in target.extra.fields:
+        return
+    if any(c.WhichOneof("condition") == "stop_text" for c in target.stopping.conditions):
+        return  # the engine's text shows a stop string in progress (ResponseMapper.awaits_terminal)
+    target.extra.fields[DETOKENIZE_KEY].bool_value = False
 
 
 def _map_extra(target: generation_pb2.GenerateRequest, request: Mapping[str, Any]) -> None:

@@ -32,8 +32,17 @@ Decisions:
 * Usage is required on the final terminal (``MISSING_USAGE`` otherwise; TensorRT-LLM always sends
   it). Zero counts from the engine are replaced by what the mapper saw (prompt length, tokens
   streamed); ``total_tokens`` is recomputed; cached/reasoning tokens are clamped to their totals.
-* An ``error`` event discards the chunks mapped earlier in the same batch: the request fails (or
-  is migrated, and the next worker regenerates from what the client has actually received).
+* Tokens mapped before an ``error`` event reach the client before the error: when a batch carries tokens and then
+  the error, :meth:`ResponseMapper.map` returns the tokens and keeps the error pending (:attr:`~ResponseMapper.failure`,
+  raised by the next ``map`` or ``end_of_stream``); the request fails (or is migrated, and the next worker
+  regenerates from what the client has received, tokens included).
+* The chunk that carries an output's last token also carries its ``finish_reason`` and usage: the frontend applies
+  EOS and stop tokens itself, ends the stream at such a token and drops the chunk after it (``dynamo-runtime.md``
+  §3.4; Dynamo's ``Backend`` stops only when the chunk has no ``finish_reason`` of its own). So the request task asks
+  :meth:`~ResponseMapper.awaits_terminal` whether a chunk ends with a token after which the engine's terminal is due
+  (one of the request's EOS / stop token ids, the output's ``max_tokens``-th token, or -- with stop strings -- a
+  token whose text the engine holds back), holds it, and hands it back as ``carry`` with the next batch, where the
+  ``finished`` event joins it.
 
 Disaggregated legs (``leg``, ``dynamo-sidecar.md`` §4.2):
 
@@ -60,7 +69,7 @@ from .enums import pb_enum
 from .handoff import HandoffError, session_to_handoff
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Iterable, Sequence
 
 __all__ = ["LOGPROB_FLOOR", "Chunk", "ResponseMapper"]
 
@@ -89,17 +98,24 @@ class ResponseMapper:
         "_cached_tokens",
         "_closed",
         "_completion",
+        "_failure",
         "_finished",
         "_handed_off",
         "_held",
         "_leg",
         "_logprobs",
+        "_max_tokens",
+        "_min_tokens",
         "_n",
         "_open",
         "_prompt_logprobs",
         "_prompt_positions",
         "_prompt_tokens",
         "_request_id",
+        "_terminal_ids",
+        "_text_hold",
+        "_text_seen",
+        "_text_withheld",
     )
 
     def __init__(
@@ -112,12 +128,20 @@ class ResponseMapper:
         leg: str = "aggregated",
         cached_tokens: int | None = None,
         prompt_logprobs: int | None = None,
+        terminal_ids: Iterable[int] = (),
+        min_tokens: int = 0,
+        max_tokens: int | None = None,
+        stop_texts: bool = False,
     ) -> None:
         """``n`` outputs were asked for; ``logprobs`` as requested (None = not asked).
 
         ``leg`` is ``aggregated``, ``prefill`` or ``decode``; ``cached_tokens`` (decode legs) replaces the engine's
         cached prompt tokens in the final usage. ``prompt_logprobs`` as requested (None = not asked): the one
         ``prompt`` event then becomes the final chunk's ``engine_data.prompt_logprobs``.
+
+        ``terminal_ids`` (the request's EOS and stop token ids), ``min_tokens`` and ``max_tokens`` tell
+        :meth:`awaits_terminal` which tokens the engine's terminal event follows; ``stop_texts``: the request has stop
+        strings and the engine sends its text (see :meth:`awaits_terminal`).
         """
         if n < 1:
             raise ValueError(f"n must be ≥ 1, got {n}")
@@ -139,6 +163,13 @@ class ResponseMapper:
         self._completion = [0] * n  # tokens returned per output
         self._open = n  # outputs without a terminal yet
         self._closed = False
+        self._failure: EngineFailure | None = None  # an error event met after tokens of the same batch
+        self._terminal_ids = frozenset(terminal_ids)
+        self._min_tokens = min_tokens
+        self._max_tokens = max_tokens
+        self._text_hold = stop_texts
+        self._text_seen = [False] * n  # the engine sent text for this output (it detokenizes)
+        self._text_withheld = [False] * n  # its last token event had tokens but no text
 
     @property
     def done(self) -> bool:
@@ -151,6 +182,11 @@ class ResponseMapper:
         return self._handed_off
 
     @property
+    def failure(self) -> EngineFailure | None:
+        """The engine's terminal error when :meth:`map` returned the tokens that came before it (raise it next)."""
+        return self._failure
+
+    @property
     def completion_tokens(self) -> int:
         """Output tokens mapped so far, over all outputs."""
         return sum(self._completion)
@@ -159,9 +195,16 @@ class ResponseMapper:
         self._closed = True
         return ProtocolViolation(violation, detail)
 
-    def map(self, responses: Sequence[generation_pb2.GenerateResponse]) -> list[Chunk]:
-        """Map one batch of responses to chunks (possibly none). Raises on a breach or engine error."""
-        chunks: list[Chunk] = []
+    def map(self, responses: Sequence[generation_pb2.GenerateResponse], carry: Sequence[Chunk] = ()) -> list[Chunk]:
+        """Map one batch of responses to chunks (possibly none). Raises on a breach or engine error.
+
+        ``carry``: chunks returned earlier and not sent yet (held for the terminal, see :meth:`awaits_terminal`);
+        they come first in the result, and this batch's tokens and ``finished`` events join them. An engine error
+        after chunks (carried or mapped here) does not raise: the chunks are returned and :attr:`failure` is set.
+        """
+        if self._failure is not None:
+            raise self._failure
+        chunks: list[Chunk] = list(carry)
         # A prefill leg's tokens are held back (see the module docstring).
         tokens_to = self._held if self._leg == "prefill" else chunks
         request_id = self._request_id
@@ -189,6 +232,10 @@ class ResponseMapper:
                 infos = token.tokens
                 if not infos:
                     continue
+                if self._text_hold:
+                    if token.text:
+                        self._text_seen[index] = True
+                    self._text_withheld[index] = not token.text
                 ids = [info.token_id for info in infos]
                 self._completion[index] += len(ids)
                 last = tokens_to[-1] if tokens_to else None
@@ -211,7 +258,12 @@ class ResponseMapper:
             elif kind == "error":
                 error = response.error
                 self._closed = True
-                raise EngineFailure(error.code, error.message, error.retryable)
+                failure = EngineFailure(error.code, error.message, error.retryable)
+                if not chunks:
+                    raise failure
+                # The tokens before the error are the client's: they go out first, the error right after.
+                self._failure = failure
+                return chunks
             elif kind is None:
                 raise self._violation(Violation.EMPTY_EVENT, "response without an event")
             elif kind == "prompt":
@@ -277,7 +329,14 @@ class ResponseMapper:
         if not self._open and not has_usage:
             raise self._violation(Violation.MISSING_USAGE, "the final finished event carries no usage")
 
-        last = chunks.pop() if chunks and chunks[-1]["index"] == index else None
+        # The finish joins this output's last chunk (with n > 1 another output's chunk may follow it): the frontend must
+        # see the last token and the finish_reason together.
+        last: Chunk | None = None
+        for position in range(len(chunks) - 1, -1, -1):
+            if chunks[position]["index"] == index:
+                if "finish_reason" not in chunks[position]:
+                    last = chunks.pop(position)
+                break
         chunk: Chunk = last if last is not None else {"token_ids": [], "index": index}
         chunk["finish_reason"] = _FINISH_REASONS[reason]
         if reason == _STOP and finished.HasField("stop_match"):
@@ -382,8 +441,42 @@ class ResponseMapper:
             result["completion_tokens_details"] = {"reasoning_tokens": min(usage.reasoning_tokens, completion)}
         return result
 
+    def awaits_terminal(self, chunks: Sequence[Chunk]) -> bool:
+        """Whether ``chunks`` (just mapped, not terminal) end an output with a token that its terminal follows.
+
+        That is an output's last chunk ending with one of the request's EOS / stop token ids (once ``min_tokens``
+        are out), or an output that has its ``max_tokens`` tokens. The frontend would end the stream at such a token
+        and drop the ``finished`` that follows, so the caller holds the chunks for the next batch (bounded).
+
+        Stop strings are matched by the frontend on its own text, so no token id names the end. The engine matches
+        them too and holds back text that could begin one (TensorRT-LLM, ``openengine-mock``); when the stop string
+        completes, its text is cut. So with stop strings (and an engine that sends text at all) a token event that
+        carries tokens but no text is a candidate as well: the next event shows whether the engine finished there.
+        """
+        seen: set[int] = set()
+        for chunk in reversed(chunks):
+            index: int = chunk["index"]
+            if index in seen or "finish_reason" in chunk or self._finished[index]:
+                continue
+            seen.add(index)
+            ids: list[int] = chunk["token_ids"]
+            if not ids:
+                continue
+            count = self._completion[index]
+            if self._max_tokens is not None and count >= self._max_tokens:
+                return True
+            if ids[-1] in self._terminal_ids and count >= self._min_tokens:
+                return True
+            if self._text_withheld[index] and self._text_seen[index] and count >= self._min_tokens:
+                # The engine holds this token's text back: it may be the start -- or the end -- of a stop string.
+                return True
+        return False
+
     def end_of_stream(self) -> None:
-        """The engine closed the stream (status OK): raise ``EOF_BEFORE_TERMINAL`` unless it was complete."""
+        """The engine closed the stream (status OK): raise ``EOF_BEFORE_TERMINAL`` unless it was complete, or the
+        engine error still pending (:attr:`failure`)."""
+        if self._failure is not None:
+            raise self._failure
         if not self._closed:
             open_outputs = [i for i, done in enumerate(self._finished) if not done]
             raise self._violation(Violation.EOF_BEFORE_TERMINAL, f"stream ended with outputs {open_outputs} unfinished")

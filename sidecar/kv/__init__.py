@@ -23,6 +23,7 @@ from ._convert import GrpcSource as GrpcSource
 from ._convert import KvSource as KvSource
 from ._convert import RankIndex as RankIndex
 from ._convert import ZmqSource as ZmqSource
+from ._load import EngineIdentity as EngineIdentity
 from ._signals import DynamoPublishers as DynamoPublishers
 from ._signals import RoutingSignals as RoutingSignals
 from ._signals import discover_routing as discover_routing
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DynamoPublishers",
+    "EngineIdentity",
     "GrpcSource",
     "KvEventsMode",
     "KvPublisher",

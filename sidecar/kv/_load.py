@@ -6,11 +6,23 @@ A snapshot is published only when it passes :func:`~sidecar.kv._convert.check_lo
 figures is exactly the stale load the Rust sidecar is known for. Every such poll is counted by reason
 (``openengine_sidecar_load_snapshots_rejected``), ``openengine_sidecar_load_fresh`` drops to 0, and a warning is
 logged when the reason first appears (then at most once a minute while it persists).
+
+**Estimated load** (an engine that reports no KV usage, as TensorRT-LLM's baseline ``GetLoad``: ``running_requests``
+only): a single-rank worker publishes an estimate instead of nothing, so Dynamo's router still balances: the KV blocks
+its in-flight requests occupy, ``ceil((prompt + generated tokens) / block_size)`` summed over the requests this worker
+has in flight (prefix-cache sharing is not subtracted: an upper bound). It is logged once at INFO, counted as a
+published snapshot and shown as ``openengine_sidecar_engine_kv_blocks{kind="used"}``; a multi-rank worker cannot
+tell which rank holds a request and still publishes nothing.
+
+**Engine identity**: every answer is handed to :class:`EngineIdentity`: an ``instance_id`` other than the discovered
+one is an engine restart (even one quicker than the health watch notices), and any answer tells a reconnecting worker
+that the engine is back.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Final
 
@@ -22,16 +34,48 @@ from . import _metrics as m
 from ._convert import InvalidLoad, check_load
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from ._config import RoutingConfig
     from ._types import LoadPublisher, RoutingClient
 
-__all__ = ["poll_load"]
+__all__ = ["EngineIdentity", "estimate_blocks", "poll_load"]
 
 log: Final = logging.getLogger("sidecar.kv")
 
 _REPEAT_WARNING_S: Final = 60.0
+
+
+class EngineIdentity:
+    """What the load poller learns about the engine between two health polls: that it answers, and which instance
+    it is. The worker :meth:`expect`-s the discovered ``instance_id``; an answer naming another sets :attr:`changed`
+    (the engine restarted); every answer sets :attr:`answered` (replace it with a fresh event to wait for the next)."""
+
+    def __init__(self, expected: str = "") -> None:
+        self.expected = expected
+        #: The instance id that differed from the expected one (valid once :attr:`changed` is set).
+        self.seen = ""
+        self.changed = trio.Event()
+        self.answered = trio.Event()
+
+    def expect(self, instance_id: str) -> None:
+        """The instance the worker serves now (after discovery); forgets an earlier change."""
+        self.expected = instance_id
+        self.seen = ""
+        if self.changed.is_set():
+            self.changed = trio.Event()
+
+    def observe(self, instance_id: str | None) -> None:
+        """A GetLoad answer naming ``instance_id`` (empty or None: the engine does not say)."""
+        self.answered.set()
+        if instance_id and self.expected and instance_id != self.expected and not self.changed.is_set():
+            self.seen = instance_id
+            self.changed.set()
+
+
+def estimate_blocks(tokens_in_flight: Sequence[int], block_size: int) -> int:
+    """The KV blocks requests holding ``tokens_in_flight`` tokens each occupy (one partial block per request)."""
+    return sum(math.ceil(tokens / block_size) for tokens in tokens_in_flight if tokens > 0)
 
 
 async def poll_load(
@@ -40,9 +84,17 @@ async def poll_load(
     ranks: Sequence[int],
     config: RoutingConfig,
     *,
+    identity: EngineIdentity | None = None,
+    in_flight: Callable[[], Sequence[int]] | None = None,
+    block_size: int | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Poll and publish until cancelled; the first poll happens at once, ``task_status.started()`` after it."""
+    """Poll and publish until cancelled; the first poll happens at once, ``task_status.started()`` after it.
+
+    ``identity`` receives every answer's ``instance_id``. ``in_flight`` (the token count of each request in flight)
+    and ``block_size`` enable the estimate published when the engine reports no KV usage (single rank only).
+    """
+    estimating = False
     max_age_ns = int(config.load_max_age_s * 1e9)
     max_future_ns = int(config.load_max_future_s * 1e9)
     fresh: bool | None = None
@@ -54,6 +106,8 @@ async def poll_load(
         reason = ""
         try:
             load = await client.get_load(True, timeout_s=config.load_timeout_s)
+            if identity is not None:
+                identity.observe(load.instance_id)
             figures = check_load(load, ranks, now_ns=time.time_ns(), max_age_ns=max_age_ns, max_future_ns=max_future_ns)
         except EngineRpcError as exc:
             if exc.code is GrpcCode.UNIMPLEMENTED:
@@ -65,7 +119,22 @@ async def poll_load(
             reason, message = "rpc_failed", str(exc)
         except InvalidLoad as exc:
             reason, message = exc.reason, str(exc)
+            if reason == "no_kv_usage" and in_flight is not None and block_size and len(ranks) == 1:
+                used = estimate_blocks(in_flight(), block_size)
+                await sink.publish([(ranks[0], used)])
+                m.RANK_KV_BLOCKS.labels(rank=str(ranks[0]), kind="used").set(used)
+                m.LOAD_PUBLISHED.inc()
+                m.LOAD_FRESH.set(1)
+                if not estimating:
+                    log.info(
+                        "the engine reports no KV usage (%s): publishing an estimate to Dynamo's router, the KV blocks "
+                        "of the requests in flight here (block size %d)",
+                        message,
+                        block_size,
+                    )
+                estimating, fresh, reason = True, True, ""
         else:
+            estimating = False
             await sink.publish([(f.rank, f.used_blocks) for f in figures])
             for f in figures:
                 m.RANK_KV_BLOCKS.labels(rank=str(f.rank), kind="used").set(f.used_blocks)

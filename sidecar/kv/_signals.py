@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
+from functools import partial
 from typing import TYPE_CHECKING, Final
 
 import trio
@@ -13,10 +14,12 @@ from sidecar.errors import EngineRpcError, GrpcCode
 
 from ._config import RoutingConfig, RoutingPlan
 from ._convert import UnusableSources, ZmqSource, plan_sources
-from ._load import poll_load
+from ._load import EngineIdentity, poll_load
 from ._subscription import RankSubscription
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     from sidecar.convert import Capabilities
     from sidecar.dynamo import DynamoWorker
 
@@ -132,13 +135,16 @@ async def run_routing_signals(
     config: RoutingConfig | None = None,
     *,
     publishers: PublisherFactory | None = None,
+    identity: EngineIdentity | None = None,
+    in_flight: Callable[[], Sequence[int]] | None = None,
     task_status: trio.TaskStatus[RoutingSignals] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Publish load and KV events to Dynamo until cancelled. Start it with ``nursery.start`` once registered.
 
     ``task_status.started(signals)`` fires when every publisher exists, the first load poll is done and every
     subscription task runs. Never raises except ``Cancelled``: each part degrades on its own (load unknown, a rank
-    resynchronising or failed) and logs why; the worker keeps serving.
+    resynchronising or failed) and logs why; the worker keeps serving. ``identity`` and ``in_flight`` go to the load
+    poller (:func:`~sidecar.kv._load.poll_load`: engine restarts, the estimate for an engine without KV usage).
     """
     config = config or RoutingConfig()
     if publishers is None:
@@ -150,7 +156,8 @@ async def run_routing_signals(
     try:
         async with trio.open_nursery() as nursery:
             load = await publishers.load()
-            await nursery.start(poll_load, client, load, plan.ranks, config)
+            poller = partial(poll_load, identity=identity, in_flight=in_flight, block_size=plan.block_size)
+            await nursery.start(poller, client, load, plan.ranks, config)
             if plan.kv_events:
                 assert plan.block_size is not None
                 for source in plan.zmq_sources:

@@ -167,7 +167,7 @@ MAPPING: list[tuple[str, dict[str, Any], list[list[Any]], list[list[dict[str, An
         [[], []],
     ),
     (
-        "n=2 interleaved, usage on the last terminal only",
+        "n=2 interleaved: a finish joins its output's last chunk; usage on the last terminal only",
         {"n": 2},
         [
             [token(0, 1), token(1, 2), token(0, 3), finished(1, STOP, stop_match=StopMatch(eos_token_id=9))],
@@ -176,9 +176,8 @@ MAPPING: list[tuple[str, dict[str, Any], list[list[Any]], list[list[dict[str, An
         [
             [
                 {"token_ids": [1], "index": 0},
-                {"token_ids": [2], "index": 1},
                 {"token_ids": [3], "index": 0},
-                {"token_ids": [], "index": 1, "finish_reason": "stop", "stop_reason": 9},
+                {"token_ids": [2], "index": 1, "finish_reason": "stop", "stop_reason": 9},
             ],
             [{"token_ids": [4], "index": 0, "finish_reason": "length", "completion_usage": final_usage(3, 4)}],
         ],
@@ -406,16 +405,116 @@ def test_error_event(code: int, expected: EngineErrorCode, retryable: bool, kind
     failing = error(code, "it broke", retryable)
     failing.usage.CopyFrom(usage(3, 1))  # TensorRT-LLM attaches usage to the error; it is not needed
     with pytest.raises(EngineFailure) as info_:
-        m.map([token(0, 2), failing])  # the token before the error in the same batch is not returned
+        m.map([failing])  # an error with nothing before it in its batch is raised at once
     assert info_.value.code is expected
     assert info_.value.retryable is retryable
     assert info_.value.kind is kind
     assert "it broke" in str(info_.value)
     assert m.done
+    assert m.failure is None
     m.end_of_stream()  # the error was the terminal: no EOF violation on top
     with pytest.raises(ProtocolViolation) as after:
         m.map([token(0, 3)])
     assert after.value.violation is Violation.EVENT_AFTER_TERMINAL
+
+
+@pytest.mark.parametrize("carried", [False, True], ids=["same batch", "carried from the previous batch"])
+def test_tokens_before_an_error_are_returned_and_the_error_kept_pending(carried: bool) -> None:
+    """Issue 14 item 2: the tokens the engine sent before its terminal error are the client's; before the fix the
+    mapper raised at once and dropped them (6 of 10 streaming clients saw no text)."""
+    m = mapper()
+    failing = error(error_pb2.ERROR_CODE_INTERNAL, "it broke", False)
+    if carried:
+        held = m.map([token(0, 1, 2, 3, 4)])
+        chunks = m.map([failing], carry=held)
+    else:
+        chunks = m.map([token(0, 1, 2), token(0, 3, 4), failing])
+    assert chunks == [{"token_ids": [1, 2, 3, 4], "index": 0}]
+    assert m.done
+    assert m.failure is not None
+    assert m.failure.code is EngineErrorCode.INTERNAL
+    with pytest.raises(EngineFailure):
+        m.end_of_stream()
+    with pytest.raises(EngineFailure):
+        m.map([token(0, 5)])
+
+
+# -------------------------------------------------------------------------------- the terminal hold
+
+
+def holding_mapper(**kw: Any) -> ResponseMapper:
+    return ResponseMapper(REQUEST_ID, n=kw.pop("n", 1), logprobs=None, prompt_tokens=3, **kw)
+
+
+@pytest.mark.parametrize(
+    ("kw", "batch", "awaits"),
+    [
+        ({"terminal_ids": {2}}, [token(0, 5, 2)], True),
+        ({"terminal_ids": {2}}, [token(0, 2, 5)], False),
+        ({"terminal_ids": {2}, "min_tokens": 3}, [token(0, 5, 2)], False),
+        ({"terminal_ids": {2}, "min_tokens": 2}, [token(0, 5, 2)], True),
+        ({"max_tokens": 2}, [token(0, 5, 6)], True),
+        ({"max_tokens": 3}, [token(0, 5, 6)], False),
+        ({}, [token(0, 5, 2)], False),
+        ({"terminal_ids": {2}, "n": 2}, [token(0, 2), token(1, 7)], True),
+        ({"terminal_ids": {2}, "n": 2}, [token(0, 2), token(0, 8), token(1, 7)], False),
+    ],
+)
+def test_awaits_terminal_names_the_chunks_whose_finish_is_due(kw: dict[str, Any], batch: list[R], awaits: bool) -> None:
+    m = holding_mapper(**kw)
+    assert m.awaits_terminal(m.map(batch)) is awaits
+
+
+def test_a_held_chunk_and_the_next_batchs_finish_become_one_chunk() -> None:
+    """Issue 14 item 1: the EOS token and the finish that follows in the next message reach the frontend together."""
+    m = holding_mapper(terminal_ids={2})
+    held = m.map([token(0, 5, 2)])
+    assert m.awaits_terminal(held)
+    chunks = m.map([finished(0, STOP, stop_match=StopMatch(eos_token_id=2), with_usage=usage(3, 2))], carry=held)
+    assert chunks == [
+        {
+            "token_ids": [5, 2],
+            "index": 0,
+            "finish_reason": "stop",
+            "stop_reason": 2,
+            "completion_usage": final_usage(3, 2),
+        }
+    ]
+    assert m.done
+
+
+def text_event(index: int, token_id: int, text: str) -> R:
+    event = token(index, token_id)
+    event.token.text = text
+    return event
+
+
+def test_with_stop_strings_a_token_whose_text_the_engine_holds_back_awaits_the_next_event() -> None:
+    """The engine holds back text that may begin a stop string and cuts the stop string when it completes: a token
+    event with tokens and no text may be the last one (only once the engine has shown it sends text)."""
+    m = holding_mapper(stop_texts=True)
+    assert not m.awaits_terminal(m.map([token(0, 5)])), "no text seen yet: the engine may not detokenize"
+    assert not m.awaits_terminal(m.map([text_event(0, 6, "The")]))
+    held = m.map([text_event(0, 7, "")])
+    assert m.awaits_terminal(held)
+    chunks = m.map([finished(0, STOP, stop_match=StopMatch(stop_text=" the"), with_usage=usage(3, 3))], carry=held)
+    assert chunks[0]["token_ids"] == [7]
+    assert chunks[0]["finish_reason"] == "stop"
+    assert "completion_usage" in chunks[0]
+
+
+def test_without_stop_strings_text_does_not_matter() -> None:
+    m = holding_mapper()
+    m.map([text_event(0, 6, "The")])
+    assert not m.awaits_terminal(m.map([text_event(0, 7, "")]))
+
+
+def test_a_held_chunk_followed_by_more_tokens_merges_with_them() -> None:
+    m = holding_mapper(terminal_ids={2})
+    held = m.map([token(0, 5, 2)])
+    chunks = m.map([token(0, 6)], carry=held)
+    assert chunks == [{"token_ids": [5, 2, 6], "index": 0}]
+    assert not m.awaits_terminal(chunks)
 
 
 def _prompt_event() -> Any:
@@ -661,6 +760,7 @@ def test_fuzz_response_mapper(stream: tuple[int, list[list[Any]]], logprobs: int
             chunks.extend(m.map(batch))
         except (ProtocolViolation, EngineFailure) as exc:
             failure = exc
+        failure = failure or m.failure  # tokens before an error are returned, the error kept pending
         if failure is not None:
             failed = True
             assert m.done

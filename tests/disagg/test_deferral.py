@@ -24,7 +24,7 @@ from sidecar.errors import DynamoErrorKind, EngineFailure, HandoffMissing, Worke
 from sidecar.requests import HungEngine, RequestServer, ServingContext
 from statemachines import REQUEST
 from tests.disagg.test_handoff import engine_session
-from tests.test_requests import RID, FakeEngine, Recorder, Step, caps, collect, finished, token
+from tests.helpers.scripted_engine import RID, Recorder, ScriptedEngine, Step, caps, collect, finished, token
 
 Clock = trio.testing.MockClock
 
@@ -37,7 +37,7 @@ def recorder() -> Iterator[Recorder]:
     REQUEST.observers.remove(rec)
 
 
-def server(engine: FakeEngine, role: Any, *, inactivity: float = 30.0) -> RequestServer:
+def server(engine: ScriptedEngine, role: Any, *, inactivity: float = 30.0) -> RequestServer:
     srv = RequestServer()
     srv.attach(
         ServingContext(
@@ -80,7 +80,7 @@ async def stopped_client(srv: RequestServer, body: dict[str, Any], stop_after: f
 async def test_a_decode_with_a_handoff_ignores_a_client_stop_until_its_first_token_then_aborts(
     autojump_clock: Clock, recorder: Recorder
 ) -> None:
-    engine = FakeEngine(transfer_then_tokens(5.0))
+    engine = ScriptedEngine(transfer_then_tokens(5.0))
     srv = server(engine, "decode")
     start = trio.current_time()
     out, end = await stopped_client(srv, decode_body(), stop_after=1.0)
@@ -100,7 +100,7 @@ async def test_a_decode_with_a_handoff_ignores_a_client_stop_until_its_first_tok
 async def test_a_decode_without_a_stop_streams_normally_with_the_prefill_cache_hits(
     autojump_clock: Clock, recorder: Recorder
 ) -> None:
-    engine = FakeEngine([(2.0, [token(0, 1234)]), (0.1, [token(0, 11), finished(0, usage=(3, 2))])])
+    engine = ScriptedEngine([(2.0, [token(0, 1234)]), (0.1, [token(0, 11), finished(0, usage=(3, 2))])])
     chunks = await collect(server(engine, "decode"), decode_body())
     assert [c["token_ids"] for c in chunks] == [[1234], [11]]
     assert chunks[-1]["completion_usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
@@ -109,7 +109,7 @@ async def test_a_decode_without_a_stop_streams_normally_with_the_prefill_cache_h
 
 
 async def test_engine_shutdown_still_wins_over_the_deferral(autojump_clock: Clock, recorder: Recorder) -> None:
-    engine = FakeEngine(transfer_then_tokens(30.0))
+    engine = ScriptedEngine(transfer_then_tokens(30.0))
     srv = server(engine, "decode")
     caught: list[WorkerDraining] = []
 
@@ -131,7 +131,7 @@ async def test_engine_shutdown_still_wins_over_the_deferral(autojump_clock: Cloc
 
 
 async def test_a_worker_cancel_ends_a_deferred_stop_at_once(autojump_clock: Clock, recorder: Recorder) -> None:
-    engine = FakeEngine(transfer_then_tokens(30.0))
+    engine = ScriptedEngine(transfer_then_tokens(30.0))
     srv = server(engine, "decode")
 
     async def client() -> None:
@@ -149,7 +149,7 @@ async def test_a_worker_cancel_ends_a_deferred_stop_at_once(autojump_clock: Cloc
 
 
 async def test_after_the_first_token_a_client_stop_aborts_at_once(autojump_clock: Clock, recorder: Recorder) -> None:
-    engine = FakeEngine(transfer_then_tokens(0.5))
+    engine = ScriptedEngine(transfer_then_tokens(0.5))
     out, end = await stopped_client(server(engine, "decode"), decode_body(), stop_after=1.0)
     assert [c["token_ids"] for c in out] == [[1234]]
     assert end == pytest.approx(1.0)
@@ -160,7 +160,7 @@ async def test_after_the_first_token_a_client_stop_aborts_at_once(autojump_clock
 async def test_a_decode_worker_request_without_a_handoff_is_not_deferred(
     autojump_clock: Clock, recorder: Recorder
 ) -> None:
-    engine = FakeEngine(transfer_then_tokens(5.0))
+    engine = ScriptedEngine(transfer_then_tokens(5.0))
     out, end = await stopped_client(server(engine, "decode"), decode_body(with_handoff=False), stop_after=1.0)
     assert out == []
     assert end == pytest.approx(1.0)
@@ -170,7 +170,7 @@ async def test_a_decode_worker_request_without_a_handoff_is_not_deferred(
 
 
 async def test_the_deferral_is_bounded_by_the_inactivity_timeout(autojump_clock: Clock, recorder: Recorder) -> None:
-    engine = FakeEngine([(0.0, None)])  # the transfer never lands
+    engine = ScriptedEngine([(0.0, None)])  # the transfer never lands
     srv = server(engine, "decode", inactivity=3.0)
     with trio.move_on_after(1.0), pytest.raises(HungEngine):
         await collect(srv, decode_body())
@@ -186,7 +186,7 @@ async def test_an_engine_error_as_the_first_response_still_ends_a_deferred_stop(
     error.error.code = error_pb2.ERROR_CODE_KV_TRANSFER_FAILED
     error.error.message = "transceiver down"
     error.usage.prompt_tokens = 3
-    engine = FakeEngine([(2.0, [error])])
+    engine = ScriptedEngine([(2.0, [error])])
     out, _ = await stopped_client(server(engine, "decode"), decode_body(), stop_after=1.0)
     assert out == []
     # The first batch arrived (the deferred stop took effect) and the terminal error is not read after the stop.
@@ -199,7 +199,7 @@ async def test_a_prefill_leg_hands_off_through_prefill_ready(autojump_clock: Clo
     ready.prefill_ready.kv_session.CopyFrom(engine_session())
     ready.usage.prompt_tokens = 3
     ready.usage.completion_tokens = 1
-    engine = FakeEngine([(0.1, [token(0, 1234)]), (0.0, [ready])])
+    engine = ScriptedEngine([(0.1, [token(0, 1234)]), (0.0, [ready])])
     chunks = await collect(server(engine, "prefill"), {"token_ids": [5, 6, 7], "stop_conditions": {"max_tokens": 1}})
     assert len(chunks) == 1
     assert chunks[0]["finish_reason"] == "length"
@@ -216,14 +216,14 @@ async def test_a_prefill_leg_hands_off_through_prefill_ready(autojump_clock: Clo
 
 
 async def test_a_prefill_leg_without_a_handoff_fails_saying_why(autojump_clock: Clock, recorder: Recorder) -> None:
-    engine = FakeEngine([(0.1, [token(0, 7), finished(0, reason=pb.FINISH_REASON_LENGTH)])])
+    engine = ScriptedEngine([(0.1, [token(0, 7), finished(0, reason=pb.FINISH_REASON_LENGTH)])])
     with pytest.raises(HandoffMissing, match="cache_transceiver_config"):
         await collect(server(engine, "prefill"), {"token_ids": [5, 6, 7], "stop_conditions": {"max_tokens": 1}})
     assert recorder.final == "failed"
 
 
 async def test_a_prefill_legitimate_early_stop_returns_its_tokens(autojump_clock: Clock, recorder: Recorder) -> None:
-    engine = FakeEngine([(0.1, [token(0, 2), finished(0, reason=pb.FINISH_REASON_STOP, usage=(3, 1))])])
+    engine = ScriptedEngine([(0.1, [token(0, 2), finished(0, reason=pb.FINISH_REASON_STOP, usage=(3, 1))])])
     chunks = await collect(server(engine, "prefill"), {"token_ids": [5, 6, 7], "stop_conditions": {"max_tokens": 1}})
     assert [c["token_ids"] for c in chunks] == [[2]]
     assert chunks[-1]["finish_reason"] == "stop"
@@ -236,7 +236,7 @@ async def test_role_mismatch_from_the_engine_is_a_400_with_a_hint(autojump_clock
     error.error.code = error_pb2.ERROR_CODE_ROLE_MISMATCH
     error.error.message = "this engine serves the decode role"
     error.usage.prompt_tokens = 3
-    engine = FakeEngine([(0.0, [error])])
+    engine = ScriptedEngine([(0.0, [error])])
     with pytest.raises(EngineFailure) as caught:
         await collect(server(engine, "prefill"), {"token_ids": [5, 6, 7]})
     assert caught.value.kind is DynamoErrorKind.INVALID_ARGUMENT
@@ -244,7 +244,7 @@ async def test_role_mismatch_from_the_engine_is_a_400_with_a_hint(autojump_clock
 
 
 def test_the_role_defaults_to_what_the_engine_reports() -> None:
-    engine = FakeEngine([])
+    engine = ScriptedEngine([])
     base = ServingContext(
         client=engine,  # type: ignore[arg-type]
         caps=caps(),

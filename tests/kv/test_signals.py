@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from functools import partial
@@ -13,7 +14,7 @@ import trio.testing
 from openengine_bp.openengine.v1 import LoadInfo
 from sidecar.errors import EngineRpcError, GrpcCode
 from sidecar.kv import GrpcSource, RoutingConfig, RoutingPlan, ZmqSource, discover_routing, run_routing_signals
-from sidecar.kv._load import poll_load
+from sidecar.kv._load import EngineIdentity, estimate_blocks, poll_load
 from sidecar.ops import metrics
 
 from .factories import grpc_source, load, zmq_source
@@ -97,6 +98,71 @@ async def test_an_engine_without_getload_stops_polling(autojump_clock: trio.test
             await nursery.start(poll_load, client, sink, (0,), CONFIG)
     assert client.load_calls == 1
     assert sink.figures == []
+
+
+def baseline_load(running: int, instance_id: str = "engine") -> LoadInfo:
+    """TensorRT-LLM's baseline GetLoad: ``running_requests`` only, no KV usage."""
+    return LoadInfo(instance_id=instance_id, timestamp_unix_nanos=time.time_ns(), running_requests=running)
+
+
+async def test_without_kv_usage_the_blocks_of_the_requests_in_flight_are_published(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 14 item 7: before, such an engine got nothing published (and a warning every minute)."""
+    client = FakeClient()
+    client.loads.extend([baseline_load(0), baseline_load(2), baseline_load(3)])
+    sink = RecordingLoad()
+    in_flight: list[list[int]] = [[], [17, 5], [17, 32, 40]]  # tokens (prompt + generated) of each request
+    answers = iter(in_flight)
+    poller = partial(poll_load, in_flight=lambda: next(answers), block_size=16)
+    before = rejected("no_kv_usage")
+    with caplog.at_level(logging.INFO, logger="sidecar.kv"):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(poller, client, sink, (0,), CONFIG)
+            await trio.sleep(2.5)
+            nursery.cancel_scope.cancel()
+    assert sink.figures == [[(0, 0)], [(0, 2 + 1)], [(0, 2 + 2 + 3)]]
+    assert rejected("no_kv_usage") == before
+    assert sample("openengine_sidecar_load_fresh") == 1.0
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert sum("publishing an estimate" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_a_multi_rank_worker_without_kv_usage_publishes_nothing(autojump_clock: trio.testing.MockClock) -> None:
+    client = FakeClient()
+    client.loads.append(LoadInfo(instance_id="engine", timestamp_unix_nanos=time.time_ns(), ranks=[]))
+    sink = RecordingLoad()
+    poller = partial(poll_load, in_flight=lambda: [40], block_size=16)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(poller, client, sink, (0, 1), CONFIG)
+        nursery.cancel_scope.cancel()
+    assert sink.figures == []
+
+
+def test_estimated_blocks_count_one_partial_block_per_request() -> None:
+    assert estimate_blocks([], 16) == 0
+    assert estimate_blocks([1, 16, 17, 0], 16) == 1 + 1 + 2
+
+
+async def test_the_poller_reports_a_new_engine_instance_and_every_answer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Issue 14 item 5: GetLoad's instance_id was polled every second and never compared."""
+    client = FakeClient()
+    client.loads.extend([fresh_load(1), fresh_load(1), baseline_load(0, instance_id="engine-2")])
+    identity = EngineIdentity("engine")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(poll_load, identity=identity), client, RecordingLoad(), (0,), CONFIG)
+        assert identity.answered.is_set()
+        assert not identity.changed.is_set()
+        await trio.sleep(1.5)
+        assert not identity.changed.is_set()
+        with trio.fail_after(1.0):
+            await identity.changed.wait()
+        nursery.cancel_scope.cancel()
+    assert identity.seen == "engine-2"
+    identity.expect("engine-2")
+    assert not identity.changed.is_set()
 
 
 # -- discovery ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,384 @@
+"""The worker's engine lifecycle in virtual time, against an in-memory engine and Dynamo (issue 14 items 4-6).
+
+* a hung engine (Health READY, Generate silent) withdraws the worker at the first inactivity timeout, before the
+  error reaches the frontend; a canary generation brings it back;
+* a restarted engine is noticed even when the restart is quick (a new instance id from GetLoad, or a lost
+  connection and an engine that answers as someone else): rediscovery, card registered again before routing resumes;
+* after a long outage the worker serves within 2 s of the engine answering again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from openengine.v1 import generation_pb2 as pb
+from openengine_bp.openengine.v1 import (
+    AbortResponse,
+    AbortStatus,
+    DeploymentCapacity,
+    GenerationCapabilities,
+    GuidedDecodingCapabilities,
+    GuidedDecodingMode,
+    HealthResponse,
+    HealthState,
+    LoadInfo,
+    ModelInfo,
+    ServerInfo,
+)
+from sidecar.cli import parse_config
+from sidecar.dynamo import RequestContext
+from sidecar.engine import PINNED_SCHEMA_RELEASE
+from sidecar.errors import EngineRpcError, GrpcCode, WorkerDraining
+from sidecar.kv import RoutingConfig
+from sidecar.kv._load import poll_load
+from sidecar.requests import HungEngine
+from sidecar.worker import Worker
+from statemachines import WORKER, WorkerLifecycle
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / "sidecar" / "testing" / "mock" / "model"
+Clock = trio.testing.MockClock
+
+
+class Engine:
+    """The engine behind the worker's client: it can go down, come back as a new instance with other capabilities,
+    and stop producing while its Health stays READY."""
+
+    def __init__(self) -> None:
+        self.instance = "engine-1"
+        self.up = True
+        self.guided = False
+        self.context = 256
+        self.producing = True
+        self.generates: list[str] = []
+        self.aborts: list[str] = []
+        #: Virtual time the engine came back after being down (set by :meth:`restart`).
+        self.back_at: float | None = None
+
+    def restart(self, *, instance: str, guided: bool | None = None, context: int | None = None) -> None:
+        self.instance = instance
+        if guided is not None:
+            self.guided = guided
+        if context is not None:
+            self.context = context
+        self.up = True
+        self.back_at = trio.current_time()
+
+    async def _rpc(self, name: str) -> None:
+        await trio.lowlevel.checkpoint()
+        if not self.up:
+            raise EngineRpcError(name, GrpcCode.UNAVAILABLE, "connection refused")
+
+    async def get_server_info(self, *, trace: Any = None, timeout_s: float | None = None) -> ServerInfo:
+        await self._rpc("GetServerInfo")
+        return ServerInfo(
+            engine_name="fake",
+            engine_version="1",
+            instance_id=self.instance,
+            schema_revision=1,
+            minimum_client_revision=1,
+            schema_release=PINNED_SCHEMA_RELEASE,
+            supported_models=["tiny"],
+            capacity=DeploymentCapacity(kv_block_size=16, total_kv_blocks=100, max_running_requests=8),
+        )
+
+    async def get_model_info(self, model: str, *, trace: Any = None, timeout_s: float | None = None) -> ModelInfo:
+        await self._rpc("GetModelInfo")
+        guided = GuidedDecodingCapabilities(supported=True, modes=[GuidedDecodingMode.JSON_SCHEMA])
+        return ModelInfo(
+            model_id="tiny",
+            served_model_name="tiny",
+            max_context_length=self.context,
+            supports_token_ids_input=True,
+            generation=GenerationCapabilities(guided_decoding=guided if self.guided else None),
+        )
+
+    async def health(self, *args: Any, timeout_s: float | None = None, **kw: Any) -> HealthResponse:
+        await self._rpc("Health")
+        return HealthResponse(state=HealthState.READY)
+
+    async def get_load(self, include_per_rank: bool = False, *, timeout_s: float | None = None) -> LoadInfo:
+        await self._rpc("GetLoad")
+        return LoadInfo(instance_id=self.instance, timestamp_unix_nanos=time.time_ns(), running_requests=0)
+
+    async def abort(self, request_id: str, *, timeout_s: float | None = None) -> AbortResponse:
+        await self._rpc("Abort")
+        self.aborts.append(request_id)
+        return AbortResponse(status=AbortStatus.ABORTED)
+
+    @asynccontextmanager
+    async def generate(
+        self, request: pb.GenerateRequest, *, metadata: Sequence[tuple[str, str]] = ()
+    ) -> AsyncIterator[AsyncIterator[list[pb.GenerateResponse]]]:
+        await self._rpc("Generate")
+        self.generates.append(request.request_id)
+        producing = self.producing
+
+        async def stream() -> AsyncIterator[list[pb.GenerateResponse]]:
+            first = pb.GenerateResponse(request_id=request.request_id)
+            first.token.output_index = 0
+            first.token.tokens.add(token_id=7)
+            yield [first]
+            if not producing:
+                await trio.sleep_forever()
+            await trio.sleep(0.01)
+            done = pb.GenerateResponse(request_id=request.request_id)
+            done.finished.output_index = 0
+            done.finished.reason = pb.FINISH_REASON_LENGTH
+            done.usage.prompt_tokens = len(request.token_ids.ids)
+            done.usage.completion_tokens = 1
+            yield [done]
+
+        yield stream()
+
+
+class Dynamo:
+    """The worker's Dynamo side: what was withdrawn, restored and registered, when."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, str, Any]] = []
+        self.routable = True
+
+    async def withdraw(self) -> None:
+        await trio.lowlevel.checkpoint()
+        self.routable = False
+        self.calls.append((trio.current_time(), "withdraw", None))
+
+    async def restore(self) -> None:
+        await trio.lowlevel.checkpoint()
+        self.routable = True
+        self.calls.append((trio.current_time(), "restore", None))
+
+    async def register(self, registration: Any) -> None:
+        await trio.lowlevel.checkpoint()
+        self.calls.append((trio.current_time(), "register", registration))
+
+    def names(self) -> list[str]:
+        return [name for _, name, _ in self.calls]
+
+
+class Sink:
+    async def publish(self, figures: Sequence[tuple[int, int]]) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+@pytest.fixture
+def transitions() -> Iterator[list[tuple[float, str, str]]]:
+    """Worker transitions as ``(time, event, dest)``."""
+    seen: list[tuple[float, str, str]] = []
+
+    def observe(model: WorkerLifecycle, event: str, source: str, dest: str) -> None:
+        seen.append((trio.current_time(), event, dest))
+
+    WORKER.observers.append(observe)
+    yield seen
+    WORKER.observers.remove(observe)
+
+
+def config(*args: str) -> Any:
+    return parse_config(
+        [
+            "--grpc-endpoint",
+            "127.0.0.1:1",
+            "--model-path",
+            str(MODEL_DIR),
+            "--grpc-retry-interval-secs",
+            "1",
+            "--health-poll-interval-secs",
+            "1",
+            *args,
+        ]
+    )
+
+
+async def serving_worker(engine: Engine, dynamo: Dynamo, *args: str) -> Worker:
+    """A worker as ``Worker._run`` leaves it once registered (discovered, serving, its Dynamo side attached)."""
+    worker = Worker(config(*args))
+    life = worker.lifecycle
+    life.fire("connect")
+    life.fire("connected")
+    discovery = await worker._discover_until_ready(engine, trio.current_time() + 30)  # type: ignore[arg-type]
+    worker._discovery = discovery
+    worker._identity.expect(discovery.caps.instance_id)
+    worker._dynamo = dynamo  # type: ignore[assignment]
+    worker.requests.attach(worker._serving(engine, discovery))  # type: ignore[arg-type]
+    life.fire("registered")
+    return worker
+
+
+async def run_watchers(nursery: trio.Nursery, worker: Worker, engine: Any, dynamo: Any) -> None:
+    """What ``Worker._run`` starts next to serving: the load poller (with the worker's identity) and the watches."""
+    poller = partial(poll_load, identity=worker._identity)
+    await nursery.start(poller, engine, Sink(), (0,), RoutingConfig(load_poll_interval_s=1.0))
+    nursery.start_soon(worker._watch_engine, engine, dynamo)
+    nursery.start_soon(worker._watch_identity, engine, dynamo)
+    nursery.start_soon(worker._watch_stall, engine, dynamo)
+
+
+def state(worker: Worker) -> str:
+    return worker.lifecycle.state
+
+
+def body(**sampling: Any) -> dict[str, Any]:
+    return {"token_ids": [5, 6, 7], "stop_conditions": {"max_tokens": 4}, "sampling_options": sampling}
+
+
+async def complete(worker: Worker, request: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    async for batch in worker.requests.handle(request, RequestContext(request_id=request_id)):
+        out.extend(batch)
+    return out
+
+
+# ------------------------------------------------------------------------------------ item 6: prompt recovery
+
+
+async def test_after_a_40s_outage_the_worker_serves_within_2s_of_the_engine_answering(
+    autojump_clock: Clock, transitions: list[tuple[float, str, str]]
+) -> None:
+    """Failed before: the reconnect backoff (cap 30 s) kept waiting although the load poller had seen the engine;
+    serving resumed 21 s after the engine came back in this scenario."""
+    engine, dynamo = Engine(), Dynamo()
+    worker = await serving_worker(engine, dynamo, "--reconnect-backoff-max-secs", "30")
+    async with trio.open_nursery() as nursery:
+        await run_watchers(nursery, worker, engine, dynamo)
+        engine.up = False
+        await trio.sleep(40.0)
+        engine.restart(instance="engine-1")
+        with trio.fail_after(60):
+            while worker.lifecycle.state != "serving" or worker.requests.serving is None:
+                await trio.sleep(0.05)
+        resumed = trio.current_time()
+        nursery.cancel_scope.cancel()
+    print(f"serving resumed {resumed - (engine.back_at or 0):.2f}s after the engine answered again")
+    assert engine.back_at is not None
+    assert ("engine_lost", "reconnecting") in [(e, d) for _, e, d in transitions]
+    assert resumed - engine.back_at <= 2.0, f"serving {resumed - engine.back_at:.1f}s after the engine was back"
+
+
+# --------------------------------------------------------------------------- item 5: a quick restart is noticed
+
+
+@pytest.mark.parametrize("guided_after", [True, False], ids=["guided added", "guided removed"])
+async def test_an_engine_restarted_within_a_second_with_other_capabilities_is_rediscovered(
+    autojump_clock: Clock, transitions: list[tuple[float, str, str]], guided_after: bool
+) -> None:
+    """The engine is down 0.7 s -- too short for the health watch (3 failed polls) -- and comes back with guided
+    decoding added (or removed) and a larger context. Failed before: the worker kept the old capabilities (guided
+    requests refused, or forwarded to an engine that refuses them) and the old card."""
+    engine, dynamo = Engine(), Dynamo()
+    engine.guided = not guided_after
+    worker = await serving_worker(engine, dynamo)
+    transitions.clear()
+    guided_body = body(guided_decoding={"json": {"type": "object", "properties": {}}})
+    async with trio.open_nursery() as nursery:
+        await run_watchers(nursery, worker, engine, dynamo)
+        await trio.sleep(0.3)
+        engine.up = False
+        await trio.sleep(0.7)
+        engine.restart(instance="engine-2", guided=guided_after, context=512)
+        with trio.fail_after(10):
+            while not any(name == "register" for name in dynamo.names()):
+                await trio.sleep(0.01)
+            while worker.lifecycle.state != "serving" or worker.requests.serving is None:
+                await trio.sleep(0.01)
+        noticed = trio.current_time() - engine.back_at if engine.back_at is not None else None
+        serving = worker.requests.serving
+        assert serving.caps.instance_id == "engine-2"
+        assert serving.context_length == 512
+        if guided_after:
+            await complete(worker, guided_body, "guided-1")
+            assert engine.generates[-1] == "guided-1", "forwarded: the engine now advertises guided decoding"
+        else:
+            with pytest.raises(Exception, match="guided"):
+                await complete(worker, guided_body, "guided-1")
+        nursery.cancel_scope.cancel()
+    assert noticed is not None
+    assert noticed <= 2.0
+    (register,) = [reg for _, name, reg in dynamo.calls if name == "register"]
+    assert register.context_length == 512, "the card carries the new engine's limits"
+    names = dynamo.names()
+    assert names.index("register") < names.index("restore"), "card updated before the instance is routable again"
+    assert [e for _, e, _ in transitions if e in ("engine_lost", "reconnected", "registered")] == [
+        "engine_lost",
+        "reconnected",
+        "registered",
+    ]
+
+
+async def test_a_lost_connection_to_an_engine_that_answers_as_another_instance_is_rediscovered(
+    autojump_clock: Clock, transitions: list[tuple[float, str, str]]
+) -> None:
+    """An engine without GetLoad (the poller cannot see the instance): a request losing its connection is the cue."""
+    engine, dynamo = Engine(), Dynamo()
+    worker = await serving_worker(engine, dynamo)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker._watch_identity, engine, dynamo)  # type: ignore[arg-type]
+        engine.restart(instance="engine-2", context=512)
+        worker.requests.connection_lost.set()  # what a request's UNAVAILABLE does
+        with trio.fail_after(10):
+            while worker.requests.serving is None or worker.requests.serving.context_length != 512:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert "register" in dynamo.names()
+
+
+async def test_a_lost_connection_to_the_same_engine_changes_nothing(autojump_clock: Clock) -> None:
+    engine, dynamo = Engine(), Dynamo()
+    worker = await serving_worker(engine, dynamo)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker._watch_identity, engine, dynamo)  # type: ignore[arg-type]
+        worker.requests.connection_lost.set()
+        await trio.sleep(5)
+        nursery.cancel_scope.cancel()
+    assert dynamo.calls == []
+    assert worker.lifecycle.state == "serving"
+
+
+# --------------------------------------------------------------------- item 4: a hung engine costs one timeout
+
+
+async def test_a_hung_engine_withdraws_the_worker_at_the_first_timeout_and_a_canary_brings_it_back(
+    autojump_clock: Clock, transitions: list[tuple[float, str, str]]
+) -> None:
+    """Failed before: the worker stayed `serving` (Health READY), so the frontend migrated the request back to it
+    three times (4 timeouts); now the first timeout withdraws it before the error is raised."""
+    engine, dynamo = Engine(), Dynamo()
+    worker = await serving_worker(engine, dynamo, "--request-inactivity-timeout-secs", "5")
+    engine.producing = False
+    async with trio.open_nursery() as nursery:
+        await run_watchers(nursery, worker, engine, dynamo)
+        start = trio.current_time()
+        with pytest.raises(HungEngine):
+            await complete(worker, body(), "hung-1")
+        failed_at = trio.current_time()
+        assert failed_at - start == pytest.approx(5.0)
+        assert worker.lifecycle.state == "degraded"
+        assert dynamo.calls[0][1] == "withdraw"
+        assert dynamo.calls[0][0] <= failed_at, "withdrawn before the error went to the frontend"
+        # A migrated retry finds no worker here: the frontend answers 503 instead of a second timeout.
+        with pytest.raises(WorkerDraining):
+            await complete(worker, body(), "hung-2")
+        # Health stays READY all along; the worker stays withdrawn until a canary generation succeeds.
+        await trio.sleep(12)
+        assert state(worker) == "degraded"
+        engine.producing = True
+        with trio.fail_after(20):
+            while state(worker) != "serving":
+                await trio.sleep(0.05)
+        assert (await complete(worker, body(), "after"))[-1]["finish_reason"] == "length"
+        nursery.cancel_scope.cancel()
+    degrade = [(t, e) for t, e, d in transitions if e == "degrade"]
+    assert len(degrade) == 1
+    assert dynamo.names()[-1] == "restore"
+    canaries = [rid for rid in engine.generates if rid.startswith("openengine-sidecar-canary-")]
+    assert canaries, "recovery came from a canary generation"
+    assert set(engine.aborts) >= set(canaries[:-1]), "every canary left unanswered was aborted"
