@@ -118,7 +118,6 @@ async def _metrics_feed_cli_and_logs(dynamo_env: DynamoEnv, frontend: Frontend) 
                 return after[(name, labels)] - before.get((name, labels), 0.0)
 
             assert delta("openengine_sidecar_requests_ended_total", ("outcome", "finished")) == 2
-            assert delta("openengine_sidecar_requests_terminal_total", ("state", "finished")) == 2
             assert delta("openengine_sidecar_time_to_first_token_seconds_count") == 2
             assert delta("openengine_sidecar_output_tokens_total") > 2
             assert delta("openengine_sidecar_input_tokens_total") > 2
@@ -126,7 +125,7 @@ async def _metrics_feed_cli_and_logs(dynamo_env: DynamoEnv, frontend: Frontend) 
             assert delta("openengine_sidecar_engine_rpc_duration_seconds_count", *generate_ok) == 2
             assert after[("openengine_sidecar_worker_state", (("state", "serving"),))] == 1
 
-            finished = ("openengine_sidecar_requests_terminal_total", (("state", "finished"),))
+            finished = ("openengine_sidecar_requests_ended_total", (("outcome", "finished"),))
             status = await run_cli("status", "--ops-url", f"ws://127.0.0.1:{port}/ws", "--json")
             assert json.loads(status)["counts"]["request"]["finished"] == after[finished]
             watched = await run_cli("watch", "--ops-url", f"ws://127.0.0.1:{port}/ws", "--duration-secs", "1")
