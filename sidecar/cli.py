@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from sidecar.config import ENDPOINT_TYPES, ConfigError, SidecarConfig
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, MutableMapping, Sequence
+    from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 
 def _env(name: str) -> str | None:
@@ -461,6 +461,7 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         raise ConfigError(f"--grpc-endpoint: {exc}") from None
     context_length = None if ns.context_length is None else int(_number(ns, "context_length", "--context-length", int))
     _check_control_plane_env(ns)
+    _check_system_port(os.environ)
     for flag, value in (("--namespace", ns.namespace), ("--endpoint", ns.endpoint)):
         if not value or "." in value or "/" in value:
             raise ConfigError(f"{flag}: must be a non-empty name without '.' or '/', got {value!r}")
@@ -540,6 +541,26 @@ def _check_control_plane_env(ns: argparse.Namespace) -> None:
         server = os.environ.get("NATS_SERVER")
         if server is not None and not server.startswith(("nats://", "tls://")):
             raise ConfigError(f"NATS_SERVER: must start with nats:// or tls://, got {server!r}")
+
+
+#: The largest ``DYN_SYSTEM_PORT`` Dynamo 1.6.1 accepts: it reads the variable as a signed 16-bit number and fails
+#: (a 43-line traceback, after the engine is connected) on anything above.
+SYSTEM_PORT_MAX = 32767
+
+
+def _check_system_port(environ: Mapping[str, str]) -> None:
+    raw = environ.get("DYN_SYSTEM_PORT")
+    if not raw:
+        return
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= SYSTEM_PORT_MAX:
+        raise ConfigError(
+            f"DYN_SYSTEM_PORT: must be a port in 0..{SYSTEM_PORT_MAX} (Dynamo 1.6.1 reads it as a signed 16-bit "
+            f"number), got {raw!r}"
+        )
 
 
 #: Dynamo's own start-up bounds on reaching etcd and NATS (read by the runtime when it is created).
