@@ -180,6 +180,12 @@ def test_a_bad_probe_endpoint_is_one_line(capsys: pytest.CaptureFixture[str]) ->
         assert _one_line(capsys.readouterr().err).startswith("openengine-sidecar probe: --grpc-endpoint: ")
 
 
+def _event(seq: int) -> dict[str, object]:
+    reason = "drain deadline: retry on another worker " * 3
+    return {"seq": seq, "machine": "request", "id": f"req-{seq:032x}", "event": "cancel", "from": "streaming",
+            "to": "cancelled", "reason": reason}  # fmt: skip
+
+
 def test_watch_fits_80_by_24() -> None:
     machines = [
         {"name": "worker", "states": ["starting", "serving"], "terminal": []},
