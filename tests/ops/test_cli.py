@@ -207,18 +207,7 @@ def test_watch_fits_80_by_24() -> None:
             "type": "events",
             "last_seq": 40,
             "worker": snapshot["worker"],
-            "events": [
-                {
-                    "seq": i,
-                    "machine": "request",
-                    "id": f"req-{i:032x}",
-                    "event": "cancel",
-                    "from": "streaming",
-                    "to": "cancelled",
-                    "reason": "drain deadline: retry on another worker " * 3,
-                }
-                for i in range(11, 41)
-            ],  # fmt: skip
+            "events": [_event(i) for i in range(11, 41)],
         }
     )
     console.print(view.render())
