@@ -303,7 +303,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         type=_positive(float),
     )
-    add(lifecycle, "--log-level", "DYN_LOG", "log level", default="info", choices=("debug", "info", "warning", "error"))
+    add(
+        lifecycle,
+        "--log-level",
+        "DYN_LOG",
+        "log level (debug, info, warning, error), then optional LOGGER=LEVEL overrides, comma-separated, e.g. "
+        "info,sidecar.kv=debug; Dynamo's own logging reads the same text (its targets, e.g. dynamo_runtime=debug). "
+        "hpack, h2 and grpclib stay at warning unless named (hpack=debug)",
+        default="info",
+    )
 
     routing = parser.add_argument_group("routing signals (load and KV cache events for Dynamo's router)")
     add(
@@ -506,7 +514,7 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         grpc_tls_ca=tls[0],
         grpc_tls_cert=tls[1],
         grpc_tls_key=tls[2],
-        log_level=ns.log_level,
+        log_level=_log_level(ns.log_level),
         log_format=ns.log_format,
         ops_host=ns.ops_host,
         ops_port=_ops_port(ns.ops_port),
@@ -518,6 +526,16 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         lora_load_timeout_s=_number(ns, "lora_load_timeout_secs", "--lora-load-timeout-secs", float),
         lora_fetch_timeout_s=_number(ns, "lora_fetch_timeout_secs", "--lora-fetch-timeout-secs", float),
     )
+
+
+def _log_level(raw: str) -> str:
+    from sidecar.ops.logs import parse_levels
+
+    try:
+        parse_levels(raw)
+    except ValueError as exc:
+        raise ConfigError(f"--log-level: {exc}") from None
+    return raw
 
 
 def _lora_root(raw: str | None) -> Path | None:
@@ -598,6 +616,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(ops_main(args))
     config = parse_config(argv)
     apply_control_plane_deadline(config, os.environ)
+    from sidecar.ops.logs import dynamo_logging_environment
+
+    # Before anything imports `dynamo`: its logging reads these once, at import.
+    dynamo_logging_environment(config.log_level, config.log_format, os.environ, tty=sys.stderr.isatty())
     from sidecar.dynamo import ControlPlaneError, ControlPlaneUnreachable
     from sidecar.worker import run_worker
 

@@ -42,6 +42,8 @@ def test_environment_twins_apply_and_flags_win(monkeypatch: pytest.MonkeyPatch) 
         (base_argv("--namespace", "a.b"), {}, "--namespace"),
         (["--grpc-endpoint", "127.0.0.1:1", "--model-path", "/nonexistent"], {}, "--model-path"),
         (base_argv("--context-length", "-5"), {}, "--context-length"),
+        (base_argv("--log-level", "verbose"), {}, "--log-level: unknown level 'verbose'"),
+        (base_argv(), {"DYN_LOG": "info,debug"}, "--log-level: two default levels"),
     ],
 )
 def test_bad_flags_fail_fast_naming_the_flag(

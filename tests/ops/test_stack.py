@@ -134,9 +134,17 @@ async def _metrics_feed_cli_and_logs(dynamo_env: DynamoEnv, frontend: Frontend) 
             probe = await run_cli("probe", "--grpc-endpoint", engine.address)
             assert "READY" in probe
 
-        lines = [line for line in worker.process.log().splitlines() if line.startswith("{")]
-        ours = [json.loads(line) for line in lines]
+        log = worker.process.log()
+        assert "\x1b[" not in log, "colour codes in a log that is not a terminal"
+        # --log-format json: every line is JSON, Dynamo's own (DYN_LOGGING_JSONL: `target`, `message`) and ours.
+        records = [json.loads(line) for line in log.splitlines() if line.strip()]
+        ours = [record for record in records if "logger" in record]
+        dynamos = [record for record in records if "target" in record]
         assert ours, "no JSON log lines"
+        assert dynamos, "none of Dynamo's lines"
+        assert len(ours) + len(dynamos) == len(records)
+        # --log-level debug, yet no line of the HTTP/2 wire loggers (they stay at WARNING unless named).
+        assert not [r for r in ours if r["logger"].split(".")[0] in ("hpack", "h2", "grpclib")]
         assert all("worker_state" in line and "request_id" in line for line in ours)
         with_id = {line["request_id"] for line in ours if line["request_id"]}
         assert set(seen) <= with_id  # --log-level debug logs every request with its id
