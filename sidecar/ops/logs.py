@@ -39,10 +39,12 @@ __all__ = [
     "REQUEST_ID",
     "ContextFilter",
     "JsonFormatter",
+    "LatestLine",
     "LogFormat",
     "TextFormatter",
     "configure_logging",
     "dynamo_logging_environment",
+    "latest_line",
     "parse_levels",
 ]
 
@@ -121,6 +123,35 @@ class TextFormatter(logging.Formatter):
         return f"{_timestamp(record)} {record.levelname} {record.name} [worker={state} req={request_id}]: {text}"
 
 
+class LatestLine(logging.Handler):
+    """The last line a ``sidecar.*`` logger wrote (at the root's level or above), with the worker state it was
+    written in: what the worker is doing *right now*, for the health answers (``sidecar.ops.health``) -- e.g. the
+    last connection attempt's error while it retries a bad certificate, which the state's reason (the endpoint)
+    does not say."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._latest: tuple[str | None, str] | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name.startswith("sidecar.") and record.name != "sidecar.ops":
+            self._latest = (getattr(record, "worker_state", None), record.getMessage())
+
+    def latest(self, state: str) -> str | None:
+        """The last line, if it was written in ``state`` (an older one describes another phase)."""
+        latest = self._latest
+        return latest[1] if latest is not None and latest[0] == state else None
+
+
+_LATEST: Final = LatestLine()
+_LATEST.set_name("openengine-sidecar-latest")
+
+
+def latest_line(state: str) -> str | None:
+    """The last ``sidecar.*`` log line written while the worker was in ``state`` (see :class:`LatestLine`)."""
+    return _LATEST.latest(state)
+
+
 def parse_levels(text: str) -> tuple[str, dict[str, str]]:
     """``"debug,hpack=debug"`` → ``("debug", {"hpack": "debug"})``; ``ValueError`` (one line) when malformed."""
     default: str | None = None
@@ -162,6 +193,9 @@ def configure_logging(level: str, fmt: LogFormat, worker: WorkerLifecycle | None
     for old in [h for h in root.handlers if h.get_name() == "openengine-sidecar"]:
         root.removeHandler(old)
     root.addHandler(handler)
+    _LATEST.filters[:] = [ContextFilter(worker)]
+    if _LATEST not in root.handlers:
+        root.addHandler(_LATEST)
     root.setLevel(_python_level(default))
     for quiet in QUIET_LOGGERS:
         named = any(name == quiet or name.startswith(quiet + ".") for name in overrides)
