@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from functools import partial
 from typing import TYPE_CHECKING
 
 import httpx
@@ -170,3 +171,37 @@ async def test_probe_fails_for_an_engine_that_is_not_there() -> None:
         )
     assert result.returncode == 1
     assert b"UNAVAILABLE" in result.stderr or b"no answer" in result.stderr
+
+
+async def test_an_engine_killed_under_load_is_one_line_per_request_never_a_traceback(
+    dynamo_env: DynamoEnv, frontend: Frontend
+) -> None:
+    """8 requests in flight when the engine dies: each is one line of ours and one of Dynamo's (the exception it
+    hands the frontend), and not one traceback (there were 32 chained ones)."""
+    from tests.faults._client import stream_completion
+
+    with trio.fail_after(TIMEOUT):
+        async with (
+            start_engine(dynamo_env, "--decode-ms-per-token", "20", "--kv-events", "disabled", port=free_port())
+            as engine,
+            start_sidecar(
+                dynamo_env, engine.address, "--health-poll-interval-secs", "0.2", "--health-failure-threshold", "2"
+            ) as worker,
+        ):  # fmt: skip
+            await wait_routable(frontend.url, workers=1, timeout=60)
+            async with trio.open_nursery() as nursery:
+                for _ in range(8):
+                    nursery.start_soon(partial(stream_completion, frontend.url, "The river", max_tokens=400))
+                with trio.fail_after(20):
+                    while worker.process.log().count("request received") < 9:  # the warm-up and our 8
+                        await trio.sleep(0.05)
+                await trio.sleep(0.5)
+                engine.process.proc.kill()
+            await worker.process.wait_for_log(r"serving -> reconnecting", timeout=20)
+            await trio.sleep(1.0)
+            log = worker.process.log()
+    assert "Traceback" not in log, log
+    ours = [line for line in log.splitlines() if "sidecar.requests" in line and "Connection lost" in line]
+    dynamos = [line for line in log.splitlines() if line.startswith("dynamo._core.")]
+    assert len(ours) == 8, "\n".join(ours)
+    assert len(dynamos) <= 8, "\n".join(dynamos)
