@@ -139,7 +139,8 @@ class Worker:
                     if config.ops_port is not None:
                         await top.start(serve_live_state, self.lifecycle, config.ops_host, config.ops_port)
                     if port := system_port(os.environ):
-                        self._startup_port = StartupPort(self.lifecycle, os.environ["DYN_SYSTEM_HOST"], port)
+                        host = os.environ.get("DYN_SYSTEM_HOST") or LOOPBACK_DEFAULTS["DYN_SYSTEM_HOST"]
+                        self._startup_port = StartupPort(self.lifecycle, host, port)
                         await top.start(self._startup_port.run)
                 except* OSError as group:
                     error = _first_leaf(group)
