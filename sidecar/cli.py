@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from sidecar.config import ENDPOINT_TYPES, ConfigError, SidecarConfig
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, MutableMapping, Sequence
+    from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 
 def _env(name: str) -> str | None:
@@ -324,7 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=("auto", "on", "off"),
     )
-    add(lifecycle, "--log-level", "DYN_LOG", "log level", default="info", choices=("debug", "info", "warning", "error"))
+    add(
+        lifecycle,
+        "--log-level",
+        "DYN_LOG",
+        "log level (debug, info, warning, error), then optional LOGGER=LEVEL overrides, comma-separated, e.g. "
+        "info,sidecar.kv=debug; Dynamo's own logging reads the same text (its targets, e.g. dynamo_runtime=debug). "
+        "hpack, h2 and grpclib stay at warning unless named (hpack=debug)",
+        default="info",
+    )
 
     routing = parser.add_argument_group("routing signals (load and KV cache events for Dynamo's router)")
     add(
@@ -481,6 +489,7 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         raise ConfigError(f"--grpc-endpoint: {problem}")
     context_length = None if ns.context_length is None else int(_number(ns, "context_length", "--context-length", int))
     _check_control_plane_env(ns)
+    _check_system_port(os.environ)
     for flag, value in (("--namespace", ns.namespace), ("--endpoint", ns.endpoint)):
         if not value or "." in value or "/" in value:
             raise ConfigError(f"{flag}: must be a non-empty name without '.' or '/', got {value!r}")
@@ -527,7 +536,7 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         grpc_tls_key=tls[2],
         grpc_tls_key_password_file=tls[3],
         kv_events_allow_plaintext=bool(ns.kv_events_allow_plaintext),
-        log_level=ns.log_level,
+        log_level=_log_level(ns.log_level),
         log_format=ns.log_format,
         ops_host=ns.ops_host,
         ops_port=_ops_port(ns.ops_port),
@@ -540,6 +549,16 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         lora_fetch_timeout_s=_number(ns, "lora_fetch_timeout_secs", "--lora-fetch-timeout-secs", float),
         engine_detokenize=ns.engine_detokenize,
     )
+
+
+def _log_level(raw: str) -> str:
+    from sidecar.ops.logs import parse_levels
+
+    try:
+        parse_levels(raw)
+    except ValueError as exc:
+        raise ConfigError(f"--log-level: {exc}") from None
+    return raw
 
 
 def _lora_root(raw: str | None) -> Path | None:
@@ -563,6 +582,26 @@ def _check_control_plane_env(ns: argparse.Namespace) -> None:
         server = os.environ.get("NATS_SERVER")
         if server is not None and not server.startswith(("nats://", "tls://")):
             raise ConfigError(f"NATS_SERVER: must start with nats:// or tls://, got {server!r}")
+
+
+#: The largest ``DYN_SYSTEM_PORT`` Dynamo 1.6.1 accepts: it reads the variable as a signed 16-bit number and fails
+#: (a 43-line traceback, after the engine is connected) on anything above.
+SYSTEM_PORT_MAX = 32767
+
+
+def _check_system_port(environ: Mapping[str, str]) -> None:
+    raw = environ.get("DYN_SYSTEM_PORT")
+    if not raw:
+        return
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= SYSTEM_PORT_MAX:
+        raise ConfigError(
+            f"DYN_SYSTEM_PORT: must be a port in 0..{SYSTEM_PORT_MAX} (Dynamo 1.6.1 reads it as a signed 16-bit "
+            f"number), got {raw!r}"
+        )
 
 
 #: Dynamo's own start-up bounds on reaching etcd and NATS (read by the runtime when it is created).
@@ -600,6 +639,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(ops_main(args))
     config = parse_config(argv)
     apply_control_plane_deadline(config, os.environ)
+    from sidecar.ops.logs import dynamo_logging_environment
+
+    # Before anything imports `dynamo`: its logging reads these once, at import.
+    dynamo_logging_environment(config.log_level, config.log_format, os.environ, tty=sys.stderr.isatty())
     from sidecar.dynamo import ControlPlaneError, ControlPlaneUnreachable
     from sidecar.worker import run_worker
 

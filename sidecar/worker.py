@@ -18,9 +18,9 @@ import logging
 import os
 import random
 import signal
-from collections.abc import Awaitable, MutableMapping
+from collections.abc import Awaitable, Mapping, MutableMapping
 from functools import partial
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import trio
 
@@ -33,8 +33,9 @@ from sidecar.errors import EngineGone, EngineRpcError, GrpcCode, WorkerDraining
 from sidecar.kv import EngineIdentity, RoutingPlan, discover_routing, routing_config, run_routing_signals
 from sidecar.lora import LoraManager, LoraSettings, observe_lora
 from sidecar.ops import logs, metrics
+from sidecar.ops.health import LIVE_ROUTE, StartupPort, liveness
 from sidecar.ops.server import serve_live_state
-from sidecar.requests import CANARY_PAYLOAD, RequestServer, ServingContext, probe_generation
+from sidecar.requests import RequestServer, ServingContext, probe_generation
 from sidecar.startup import (
     Discovery,
     StartupRefused,
@@ -47,6 +48,8 @@ from sidecar.startup import (
 from statemachines import LORA, WORKER, WorkerLifecycle
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from sidecar.config import SidecarConfig
     from sidecar.dynamo import DynamoWorker, Registration
     from sidecar.engine import EngineClient
@@ -82,8 +85,14 @@ def _client_config(config: SidecarConfig) -> EngineClientConfig:
     )
 
 
+def _component(config: SidecarConfig, role: str | None) -> str:
+    """The Dynamo component: the flag, else by role (before discovery: by --disaggregation-mode)."""
+    role = role or config.disaggregation_mode
+    return config.component or ("prefill" if role == "prefill" else "backend")
+
+
 def _dynamo_settings(config: SidecarConfig, role: str) -> DynamoSettings:
-    component = config.component or ("prefill" if role == "prefill" else "backend")
+    component = _component(config, role)
     return DynamoSettings(
         discovery_backend=config.discovery_backend,  # type: ignore[arg-type]
         request_plane=config.request_plane,  # type: ignore[arg-type]
@@ -122,6 +131,10 @@ class Worker:
         self._dynamo: DynamoWorker | None = None
         self.requests.on_stall = self._engine_stalled
         self._engine_detokenize: bool | None = None  # the last decision logged
+        # The system port before Dynamo's runtime exists (None without DYN_SYSTEM_PORT), and afterwards the runtime's
+        # readiness switch, set on every transition (see sidecar.ops.health).
+        self._startup_port: StartupPort | None = None
+        self._set_ready: Callable[[bool], None] | None = None
 
     async def watch_signals(self) -> None:
         """First SIGTERM/SIGINT drains; a second one skips waiting for in-flight requests."""
@@ -137,18 +150,46 @@ class Worker:
 
     async def run(self) -> int:
         """Run until drained (exit status 0) or refused/failed (1)."""
-        async with trio.open_nursery() as top:
-            top.start_soon(self.watch_signals)
-            metrics.mark_worker_state(self.lifecycle.state)
-            if self.config.ops_port is not None:
-                await top.start(serve_live_state, self.lifecycle, self.config.ops_host, self.config.ops_port)
-            try:
-                status = await self._run()
-            except* ControlPlaneError as group:
-                status = self._control_plane_failed(group)
-            finally:
-                top.cancel_scope.cancel(reason="worker finished")
+        config = self.config
+        metrics.set_dynamo_labels(config.namespace, _component(config, None), config.endpoint, config.served_model_name)
+        WORKER.observers.append(self._push_readiness)
+        try:
+            async with trio.open_nursery() as top:
+                top.start_soon(self.watch_signals)
+                metrics.mark_worker_state(self.lifecycle.state)
+                refused: str | None = None
+                try:
+                    # Both ports before anything is contacted: start-up itself can be watched and probed.
+                    if config.ops_port is not None:
+                        await top.start(serve_live_state, self.lifecycle, config.ops_host, config.ops_port)
+                    if port := system_port(os.environ):
+                        host = os.environ.get("DYN_SYSTEM_HOST") or LOOPBACK_DEFAULTS["DYN_SYSTEM_HOST"]
+                        self._startup_port = StartupPort(self.lifecycle, host, port)
+                        await top.start(self._startup_port.run)
+                except* OSError as group:
+                    error = _first_leaf(group)
+                    refused = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+                if refused is not None:
+                    self.lifecycle.fire("fail", reason=refused)
+                    log.error("refusing to start: %s", refused)
+                    top.cancel_scope.cancel(reason="a port could not be bound")
+                    return 1
+                try:
+                    status = await self._run()
+                except* ControlPlaneError as group:
+                    status = self._control_plane_failed(group)
+                finally:
+                    top.cancel_scope.cancel(reason="worker finished")
+        finally:
+            WORKER.observers.remove(self._push_readiness)
         return status
+
+    def _push_readiness(
+        self, model: WorkerLifecycle, event: WorkerEvent, source: WorkerState, dest: WorkerState
+    ) -> None:
+        """Dynamo's /health follows the worker: ready exactly while serving (a synchronous observer: posts only)."""
+        if model is self.lifecycle and self._set_ready is not None:
+            self._set_ready(dest == "serving")
 
     async def _run(self) -> int:
         config = self.config
@@ -181,12 +222,21 @@ class Worker:
             plan = self._routing = await discover_routing(client, first.caps, routing_config(config))
             registration = self._registration(first)
             settings = _dynamo_settings(config, first.role)
+            metrics.set_dynamo_labels(
+                settings.namespace, settings.component, settings.endpoint, registration.served_model_name
+            )
+            if self._startup_port is not None:
+                # Dynamo's runtime binds the system port when it is created: ours must be closed by then.
+                await self._startup_port.release()
             async with open_dynamo(edge, settings) as dynamo, trio.open_nursery() as request_nursery:
                 self._dynamo = dynamo
+                await self._adopt_system_port(dynamo)
                 await dynamo.export_metrics(metrics.exposition, metrics.typed_families)
                 self.requests.attach(self._serving(client, first))
                 await dynamo.register(registration)
-                await dynamo.serve(request_nursery, self.requests.handle, health_check_payload=CANARY_PAYLOAD)
+                # No canary payload: with one, Dynamo 1.6.1 derives /health from its canary and ignores the worker's
+                # state (a reconnecting worker answered 200).
+                await dynamo.serve(request_nursery, self.requests.handle)
                 if first.caps.supports_lora:
                     await self._serve_loras(client, dynamo, request_nursery, registration)
                 life.fire("registered", reason=f"model {registration.served_model_name!r}")
@@ -207,10 +257,24 @@ class Worker:
                 else:
                     quiescent = await self._drain(dynamo, client)
                     request_nursery.cancel_scope.cancel(reason="worker drained")
+            self._set_ready = None
             if self._fatal.is_set():
                 return 1
             life.fire("drained", reason=None if quiescent else "engine quiescence not confirmed")
         return 0 if quiescent else 1
+
+    async def _adopt_system_port(self, dynamo: DynamoWorker) -> None:
+        """The runtime serves the system port now: its /health follows our state, /engine/live answers liveness."""
+        life = self.lifecycle
+
+        async def live(body: dict[str, Any]) -> dict[str, Any]:
+            del body
+            return liveness(life)
+
+        self._set_ready = dynamo.set_health
+        # Also covers DYN_SYSTEM_STARTING_HEALTH_STATUS=ready: nothing is ready before `serving`.
+        dynamo.set_health(life.state == "serving")
+        await dynamo.add_system_route(LIVE_ROUTE, live)
 
     def _registration(self, discovery: Discovery) -> Registration:
         """The model card: ``registration_for``, in KV-routing mode when the routing plan says events flow."""
@@ -238,9 +302,7 @@ class Worker:
 
     def _control_plane_failed(self, group: BaseExceptionGroup[ControlPlaneError]) -> int:
         """etcd/NATS unreachable at start-up, or the runtime lost its lease while serving: one line, exit 1."""
-        error: BaseException = group
-        while isinstance(error, BaseExceptionGroup):
-            error = error.exceptions[0]
+        error = _first_leaf(group)
         if not self.lifecycle.is_terminal:
             self.lifecycle.fire("fail", reason=str(error))
         log.error("%s%s", "refusing to start: " if isinstance(error, ControlPlaneUnreachable) else "", error)
@@ -614,6 +676,13 @@ async def _best_effort(what: str, step: Awaitable[None], timeout_s: float, *, sh
         log.warning("%s did not finish within %gs", what, timeout_s)
 
 
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
 async def _first_of(*events: trio.Event) -> None:
     async with trio.open_nursery() as nursery:
         for event in events:
@@ -648,11 +717,32 @@ def apply_loopback_defaults(environ: MutableMapping[str, str]) -> list[str]:
     return applied
 
 
+def system_port(environ: Mapping[str, str]) -> int:
+    """``DYN_SYSTEM_PORT`` as a number (0 when unset or 0: no system port the sidecar could serve before Dynamo)."""
+    raw = environ.get("DYN_SYSTEM_PORT")
+    return int(raw) if raw else 0
+
+
+def disable_dynamo_canary(environ: MutableMapping[str, str]) -> bool:
+    """``DYN_HEALTH_CHECK_ENABLED=true`` makes Dynamo 1.6.1 answer /health from its canary and endpoint registration,
+    ignoring the worker's state; the sidecar polls the engine's Health itself. Returns whether it was turned off."""
+    if environ.get("DYN_HEALTH_CHECK_ENABLED", "").strip().lower() in ("1", "true", "yes", "on"):
+        environ["DYN_HEALTH_CHECK_ENABLED"] = "false"
+        return True
+    return False
+
+
 def run_worker(config: SidecarConfig) -> int:
     """Run the worker until it drains (0) or refuses/fails (1)."""
     apply_loopback_defaults(os.environ)
+    canary_disabled = disable_dynamo_canary(os.environ)
     worker = Worker(config)
     logs.configure_logging(config.log_level, "json" if config.log_format == "json" else "text", worker.lifecycle)
+    if canary_disabled:
+        log.warning(
+            "DYN_HEALTH_CHECK_ENABLED=true ignored: /health follows the worker state (the sidecar polls the engine's "
+            "Health itself), and Dynamo's canary would override it"
+        )
     # transitions logs every callback at INFO; the worker's own observer logs what an operator needs.
     logging.getLogger("transitions").setLevel(logging.WARNING)
     if _observe_worker not in WORKER.observers:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -41,6 +42,8 @@ def test_environment_twins_apply_and_flags_win(monkeypatch: pytest.MonkeyPatch) 
         (base_argv("--namespace", "a.b"), {}, "--namespace"),
         (["--grpc-endpoint", "127.0.0.1:1", "--model-path", "/nonexistent"], {}, "--model-path"),
         (base_argv("--context-length", "-5"), {}, "--context-length"),
+        (base_argv("--log-level", "verbose"), {}, "--log-level: unknown level 'verbose'"),
+        (base_argv(), {"DYN_LOG": "info,debug"}, "--log-level: two default levels"),
     ],
 )
 def test_bad_flags_fail_fast_naming_the_flag(
@@ -64,3 +67,37 @@ def test_help_explains_every_flag_with_its_environment_twin() -> None:
     ]:
         assert flag in out
         assert env in out
+
+
+@pytest.mark.parametrize("value", ["32768", "40000", "65535", "-1", "ninety"])
+def test_a_system_port_dynamo_cannot_read_is_refused_at_start(
+    value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Dynamo 1.6.1 reads DYN_SYSTEM_PORT as an i16: refuse before anything starts, naming the setting and limit."""
+    assert_refused(
+        base_argv(), {"DYN_SYSTEM_PORT": value}, "DYN_SYSTEM_PORT: must be a port in 0..32767", monkeypatch, capsys
+    )
+
+
+def test_a_system_port_below_the_limit_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_SYSTEM_PORT", "32767")
+    assert parse_config(base_argv()).grpc_endpoint
+
+
+def test_the_refusal_is_one_line_without_a_traceback() -> None:
+    env = {**os.environ, "DYN_SYSTEM_PORT": "40000"}
+    done = subprocess.run(
+        [sys.executable, "-m", "sidecar", *base_argv()],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if line.startswith("openengine-sidecar: error")]
+    assert errors == [
+        "openengine-sidecar: error: DYN_SYSTEM_PORT: must be a port in 0..32767 (Dynamo 1.6.1 reads it as a signed "
+        "16-bit number), got '40000'"
+    ]
+    assert "Traceback" not in done.stderr

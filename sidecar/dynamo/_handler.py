@@ -2,7 +2,7 @@
 
 Per request, on the edge loop thread::
 
-    Dynamo ──▶ generate(request, context)              the asyncio async generator Dynamo iterates
+    Dynamo ──▶ generate(request, context) → responses  the asyncio async iterator Dynamo iterates
                   ▲ outbox (pending chunks, coalesced; bounded in tokens)
                pump task ── edge.trio_stream ──▶ trio handler task in the worker's request nursery
                   ▲ cancel
@@ -10,21 +10,29 @@ Per request, on the edge loop thread::
 
 Adaptive coalescing across this hop: the pump never waits for Dynamo to take a chunk. What arrives while Dynamo is
 busy with the previous chunk is merged into the pending chunk of its output (``sidecar.convert.coalesce``), and the
-generator hands Dynamo everything pending at once. When Dynamo keeps up, nothing is pending and every chunk goes out
+iterator hands Dynamo everything pending at once. When Dynamo keeps up, nothing is pending and every chunk goes out
 alone, with no added delay (there is no timer). Only a consumer that stops reading makes the pump wait, once
 :data:`_MAX_PENDING_TOKENS` tokens are pending; the bridge's own bound then holds the trio task.
 
 Why a pump task and a callback instead of a loop inside ``generate``: Dynamo's cancellation is cooperative, and
-after a client disconnect the binding may leave ``generate`` suspended forever without closing it
-(``dynamo-runtime.md`` §3.7), so nothing that must happen on a stop may live in the generator's body or
-``finally``. The stop future's callback cancels the pump task, which the bridge turns into cancellation of the trio
-task. The pump is also the only consumer of the bridge stream, so it can never be closed while being iterated.
+after a client disconnect the binding may leave the iterator suspended forever without closing it
+(``dynamo-runtime.md`` §3.7), so nothing that must happen on a stop may live in a generator's body or ``finally``.
+The stop future's callback cancels the pump task, which the bridge turns into cancellation of the trio task. The pump
+is also the only consumer of the bridge stream, so it can never be closed while being iterated.
+
+Why an iterator whose ``__anext__`` returns a future instead of an async generator: Dynamo prints every exception a
+handler raises with ``PyErr_Display`` (``map_python_exception`` in its bindings' ``engine.rs``), traceback included.
+An exception raised inside a generator carries the generator's frame, and with its cause the whole chain: four
+chained tracebacks for every request failed by an engine loss. A future failed with ``set_exception`` hands Dynamo
+the exception without a single frame: one line, for the failures the worker expects (engine lost, drain deadline,
+client gone). The worker's own log keeps one line per failure too, and a traceback only for bugs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any, Final
 
@@ -73,33 +81,43 @@ _Outcome = _End | _Stopped | Exception
 
 
 class _Outbox:
-    """What one request's pump has for its generator: pending chunks (coalesced), then how the stream ended.
+    """What one request's pump has for Dynamo: pending chunks (coalesced), then how the stream ended; and the async
+    iterator Dynamo reads them from (``__anext__`` returns a future, see the module docstring).
 
-    Loop thread only. One producer (the pump), one consumer (the generator).
+    Loop thread only, but for ``__anext__``: Dynamo calls it on one of its own threads (holding the GIL) and awaits
+    the result on the loop. It therefore only pops a chunk the loop already set aside (``_ready``: a deque, whose
+    ``popleft`` is atomic) or hands the new future to the loop. One producer (the pump), one consumer (Dynamo, one
+    ``__anext__`` at a time).
     """
 
-    __slots__ = ("_loop", "_reader", "_writer", "outcome", "pending")
+    __slots__ = ("_loop", "_reader", "_ready", "_writer", "outcome", "pending", "pump")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self.pending = PendingChunks()
         self.outcome: _Outcome | None = None
-        self._reader: asyncio.Future[None] | None = None  # the generator waits for chunks or an outcome
+        # Chunks taken from `pending` in one merge and not handed out yet (Dynamo takes one per __anext__).
+        self._ready: deque[dict[str, Any]] = deque()
+        self._reader: asyncio.Future[dict[str, Any]] | None = None  # Dynamo's pending __anext__
         self._writer: asyncio.Future[None] | None = None  # the pump waits for room
+        self.pump: asyncio.Task[None] | None = None
+
+    # the pump's side
 
     def put(self, chunks: list[dict[str, Any]]) -> None:
         self.pending.extend(chunks)
-        self._wake_reader()
+        self._serve_reader()
 
     def end(self, outcome: _Outcome) -> None:
         """The stream is over: ``outcome`` follows the pending chunks (``_STOPPED`` drops them)."""
         if outcome is _STOPPED:
             self.pending.take()
+            self._ready.clear()
         self.outcome = outcome
-        self._wake_reader()
+        self._serve_reader()
 
     async def room(self) -> None:
-        """Return once fewer than :data:`_MAX_PENDING_TOKENS` tokens wait for the generator."""
+        """Return once fewer than :data:`_MAX_PENDING_TOKENS` tokens wait for Dynamo."""
         while self.pending.tokens >= _MAX_PENDING_TOKENS:
             self._writer = self._loop.create_future()
             try:
@@ -107,25 +125,70 @@ class _Outbox:
             finally:
                 self._writer = None
 
-    async def get(self) -> list[dict[str, Any]] | _Outcome:
-        """Everything pending (merged), else the outcome, else wait for one of them."""
-        while True:
-            if self.pending:
-                chunks = self.pending.take()
-                if self._writer is not None and not self._writer.done():
-                    self._writer.set_result(None)
-                return chunks
-            if self.outcome is not None:
-                return self.outcome
-            self._reader = self._loop.create_future()
-            try:
-                await self._reader
-            finally:
-                self._reader = None
+    # Dynamo's side
 
-    def _wake_reader(self) -> None:
-        if self._reader is not None and not self._reader.done():
-            self._reader.set_result(None)
+    def __aiter__(self) -> _Outbox:
+        return self
+
+    def __anext__(self) -> asyncio.Future[dict[str, Any]]:
+        reader = self._loop.create_future()
+        try:
+            # Safe off the loop: nobody waits on this future yet, so setting it schedules nothing.
+            reader.set_result(self._ready.popleft())
+        except IndexError:
+            self._loop.call_soon_threadsafe(self._park, reader)
+        return reader
+
+    def _park(self, reader: asyncio.Future[dict[str, Any]]) -> None:
+        if not self._resolve(reader):
+            self._reader = reader
+
+    async def aclose(self) -> None:
+        """What an async generator's ``aclose`` did: the request is over for the reader, so stop its task."""
+        if self.pump is not None:
+            self.pump.cancel()
+
+    def __del__(self) -> None:
+        # Dynamo dropped the iterator before its end without stopping the context (not seen, but then nobody would
+        # ever cancel the pump): take the request down. Any thread may run this, hence call_soon_threadsafe.
+        pump = self.pump
+        if pump is not None and not pump.done():
+            with suppress(RuntimeError):  # the loop has closed
+                self._loop.call_soon_threadsafe(pump.cancel)
+
+    def _serve_reader(self) -> None:
+        reader = self._reader
+        if reader is not None and self._resolve(reader):
+            self._reader = None
+
+    def _resolve(self, reader: asyncio.Future[dict[str, Any]]) -> bool:
+        """Settle ``reader`` with the next chunk or the end, if there is one yet; ``False`` means wait."""
+        if reader.done():  # Dynamo cancelled its wait
+            return True
+        if not self._ready and self.pending:
+            self._ready.extend(self.pending.take())
+            if self._writer is not None and not self._writer.done():
+                self._writer.set_result(None)
+        try:
+            chunk = self._ready.popleft()  # try, not a test first: Dynamo's thread pops too
+        except IndexError:
+            pass
+        else:
+            reader.set_result(chunk)
+            return True
+        outcome = self.outcome
+        if outcome is None:
+            return False
+        if outcome is _STOPPED:
+            # A generator that is still read after a stop says so once (Dynamo's stop_generating), then ends.
+            self.outcome = _END
+            reader.set_result(dict(CANCELLED_CHUNK))
+        elif isinstance(outcome, Exception):
+            self.outcome = _END
+            reader.set_exception(outcome)  # never raised here: it reaches Dynamo without a frame
+        else:
+            reader.set_exception(StopAsyncIteration())
+        return True
 
 
 def request_context(request: dict[str, Any], context: Context) -> RequestContext:
@@ -166,8 +229,9 @@ async def _pump(
         outbox.end(_STOPPED)
         raise
     except Exception as error:
+        # No __cause__: Dynamo prints the exception it gets with every cause's traceback. The request's own log line
+        # (sidecar.requests) names what happened; the exception's message carries it to the client.
         outcome = _to_dynamo(error)
-        outcome.__cause__ = error
     finally:
         with suppress(Exception):
             await stream.aclose()
@@ -177,35 +241,24 @@ async def _pump(
 def make_handler(
     edge: Edge, nursery: trio.Nursery, handler: RequestHandler
 ) -> Callable[[dict[str, Any], Context], AsyncIterator[dict[str, Any]]]:
-    """The asyncio async generator function to pass to ``serve_endpoint``: each call runs ``handler`` in ``nursery``."""
+    """The function to pass to ``serve_endpoint``: each call starts ``handler`` in ``nursery`` and returns the async
+    iterator of the request's chunks."""
 
-    async def generate(request: dict[str, Any], context: Context) -> AsyncIterator[dict[str, Any]]:
-        ctx = request_context(request, context)
-        loop = asyncio.get_running_loop()
+    loop = edge.loop
+
+    def generate(request: dict[str, Any], context: Context) -> _Outbox:
+        # Called on one of Dynamo's threads, not on the loop: everything that needs the loop starts there.
         outbox = _Outbox(loop)
-        pump = loop.create_task(
+        loop.call_soon_threadsafe(_start, outbox, request, context)
+        return outbox
+
+    def _start(outbox: _Outbox, request: dict[str, Any], context: Context) -> None:
+        ctx = request_context(request, context)
+        pump = outbox.pump = loop.create_task(
             _pump(edge, nursery, handler, request, ctx, outbox), name=f"dynamo-req-{ctx.request_id}"
         )
         stop = asyncio.ensure_future(context.async_killed_or_stopped())
         stop.add_done_callback(lambda _: pump.cancel())
         pump.add_done_callback(lambda _: stop.cancel())
-        try:
-            while True:
-                item = await outbox.get()
-                if isinstance(item, list):
-                    for chunk in item:
-                        yield chunk
-                elif item is _END:
-                    return
-                elif item is _STOPPED:
-                    yield dict(CANCELLED_CHUNK)
-                    return
-                else:
-                    assert isinstance(item, Exception)
-                    raise item
-        finally:
-            # Reached when Dynamo closes the generator early; a no-op after a normal end. Not relied upon: a
-            # generator left suspended never gets here, and the stop callback covers that case.
-            pump.cancel()
 
     return generate

@@ -6,7 +6,7 @@ import logging
 import os
 import tempfile
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
@@ -354,10 +354,20 @@ class DynamoWorker:
     def set_health(self, ready: bool) -> None:
         """The worker's own ``/health`` (system port): 200 ``ready`` or 503 ``notready``. Does not affect routing.
 
-        Only while no endpoint is served with a ``health_check_payload``: once one is, Dynamo 1.6.1 derives
-        ``/health`` from that endpoint's canary health and ignores this flag (``False`` still answers 200).
+        Synchronous and non-blocking (it posts to the edge loop), so a state-machine observer may call it; a no-op
+        once the runtime is shutting down. Only while no endpoint is served with a ``health_check_payload`` and
+        ``DYN_HEALTH_CHECK_ENABLED`` is off: otherwise Dynamo 1.6.1 derives ``/health`` from its canary and endpoint
+        registration and ignores this flag (``False`` still answers 200).
         """
-        self._edge.loop.call_soon_threadsafe(b.set_health, self._runtime, ready)
+        if self._shutdown_sent:
+            return
+        with suppress(RuntimeError):  # the edge loop has closed: so has the runtime and its port
+            self._edge.loop.call_soon_threadsafe(b.set_health, self._runtime, ready)
+
+    async def add_system_route(self, name: str, route: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> None:
+        """``GET``/``POST /engine/<name>`` on the system port: ``route(body)`` (an asyncio coroutine function, run on
+        the edge loop -- it must not block) answers with a JSON object, 200."""
+        await self._edge.run(b.add_engine_route, self._runtime, name, route)
 
     async def registration_present(self) -> bool:
         """Best effort: is everything we publish still in discovery?

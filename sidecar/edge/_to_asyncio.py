@@ -14,6 +14,7 @@ import outcome
 import trio
 
 from ._errors import EdgeClosed
+from ._inbox import Inbox
 from ._link import EXIT_GRACE, MAX_BATCH, aclose_iterator, logger
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ class AsyncioCall(Generic[T]):
         self._done.set()
 
 
-class BatchStream(Generic[T]):
+class BatchStream(Inbox[T]):
     """What ``Edge.open_stream`` returns: an async context manager, and a trio async iterator of non-empty
     ``list[T]`` batches.
 
@@ -101,29 +102,20 @@ class BatchStream(Generic[T]):
     iterator (for grpclib: RST_STREAM), then waits at most 1 s for that.
     """
 
-    __slots__ = ("_batches", "_busy", "_closed", "_done_event", "_ended", "_error", "_link", "_pump",
-                 "_pump_finished", "_waiter", "taken")  # fmt: skip
+    __slots__ = ("_busy", "_done_event", "_pump", "_pump_finished", "_waiter")
 
     def __init__(
         self, link: Link, fn: Callable[..., AsyncIterator[T]], args: tuple[object, ...], high_water: int
     ) -> None:
         if high_water < 1:
             raise ValueError(f"high_water must be at least 1, not {high_water}")
-        self._link: Final = link
+        super().__init__(link)  # the inbox: trio's
         self._pump: Final = _Pump(link, self, fn, args, high_water)
-        # trio. A list, not a deque: it rarely holds more than one batch (posts merge), and an empty deque is 760 bytes
-        # per stream against a list's 56.
-        self._batches: Final[list[list[T]]] = []
-        self._error: BaseException | None = None
-        self._ended = False
-        self._closed = False
         self._busy = False
         # The consumer parked in __anext__ (trio's low-level parking: no Event allocated per wait).
         self._waiter: trio.lowlevel.Task | None = None
         self._pump_finished = False
         self._done_event: trio.Event | None = None  # only while leaving waits for the pump
-        # Items handed to the consumer so far. Written by trio only, read by the pump (see _Pump: backpressure).
-        self.taken = 0
 
     async def __aenter__(self) -> BatchStream[T]:
         await trio.lowlevel.checkpoint()
@@ -145,22 +137,11 @@ class BatchStream(Generic[T]):
             if self._batches:
                 # A faster asyncio side always has a batch ready; without this the consumer would never yield.
                 await trio.lowlevel.checkpoint()
-            while not self._batches:
-                if self._error is not None:
-                    error, self._error = self._error, None
-                    self._ended = True
-                    try:
-                        raise error
-                    finally:
-                        del error
-                if self._ended or self._closed:
-                    raise StopAsyncIteration
+            while (batch := self._take()) is None:
                 self._waiter = trio.lowlevel.current_task()
                 await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
-            batch = self._batches.pop(0)
         finally:
             self._busy = False
-        self.taken += len(batch)
         if self._pump.wants_credit:  # read after writing `taken`: see _Pump._wait_for_credit
             self._link.to_loop(self._pump.credit)
         return batch
@@ -184,37 +165,17 @@ class BatchStream(Generic[T]):
                 logger.warning("edge: an asyncio stream did not finish within %.1f s of being cancelled", EXIT_GRACE)
         self._batches.clear()
 
-    # trio thread, posted by the pump
+    # trio thread (Inbox's hooks)
 
     def _wake(self) -> None:
         if (task := self._waiter) is not None:
             self._waiter = None
             trio.lowlevel.reschedule(task)
 
-    def _deliver(self, batch: list[T]) -> None:
-        if not self._closed:
-            batches = self._batches
-            if batches and len(batches[-1]) + len(batch) <= MAX_BATCH:
-                batches[-1].extend(batch)  # the consumer has not come back yet: one batch for it, not two
-            else:
-                batches.append(batch)
-            self._wake()
-
-    def _fail(self, error: BaseException) -> None:
-        if not self._closed:
-            self._error = error
-            self._wake()
-
-    def _end(self) -> None:
-        self._ended = True
-        self._wake()
-
-    def _finished(self) -> None:
-        self._ended = True  # a pump that died without reporting must not leave the consumer parked forever
+    def _pump_gone(self) -> None:
         self._pump_finished = True
         if self._done_event is not None:
             self._done_event.set()
-        self._wake()
 
 
 class _Pump(Generic[T]):

@@ -14,6 +14,7 @@ import outcome
 import trio
 
 from ._errors import BridgeCancelled, EdgeClosed
+from ._inbox import Inbox
 from ._link import EXIT_GRACE, MAX_BATCH, aclose_iterator
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ def _closed_nursery(name: str, exc: RuntimeError) -> EdgeClosed:
     return error
 
 
-class AsyncioBatchStream(Generic[T]):
+class AsyncioBatchStream(Inbox[T]):
     """What ``Edge.trio_stream`` returns: an asyncio async iterator of non-empty ``list[T]`` batches from a trio task
     (what arrived since the consumer last took a batch, merged, at most 1024 items).
 
@@ -43,38 +44,21 @@ class AsyncioBatchStream(Generic[T]):
     :class:`EdgeClosed`.
     """
 
-    __slots__ = ("_batches", "_closed", "_ended", "_error", "_link", "_pump", "_stop_sent", "_trio_done",
-                 "_trio_finished", "_waiter", "taken")  # fmt: skip
+    __slots__ = ("_pump", "_stop_sent", "_trio_done", "_trio_finished", "_waiter")
 
     def __init__(self, link: Link) -> None:
-        self._link: Final = link
+        super().__init__(link)  # the inbox: the loop's
         self._pump: _TrioPump[T] | None = None  # set once, right after construction
-        # loop. A list, not a deque (an empty deque is 760 bytes per stream): posts merge, so it rarely holds two.
-        self._batches: Final[list[list[T]]] = []
-        self._error: BaseException | None = None
-        self._ended = False
-        self._closed = False
         self._stop_sent = False
         self._waiter: asyncio.Future[None] | None = None
         self._trio_finished = False
         self._trio_done: asyncio.Future[None] | None = None  # only while aclose() waits for the trio task
-        # Items handed to the consumer so far. Written on the loop only, read by the trio pump (backpressure).
-        self.taken = 0
 
     def __aiter__(self) -> AsyncioBatchStream[T]:
         return self
 
     async def __anext__(self) -> list[T]:
-        while not self._batches:
-            if self._error is not None:
-                error, self._error = self._error, None
-                self._ended = True
-                try:
-                    raise error
-                finally:
-                    del error
-            if self._ended or self._closed:
-                raise StopAsyncIteration
+        while (batch := self._take()) is None:
             waiter = self._waiter = self._link.loop.create_future()
             try:
                 await waiter
@@ -84,8 +68,6 @@ class AsyncioBatchStream(Generic[T]):
                 raise
             finally:
                 self._waiter = None
-        batch = self._batches.pop(0)
-        self.taken += len(batch)
         if self._pump is not None and self._pump.wants_credit:  # read after writing `taken` (see _TrioPump)
             self._link.to_trio(self._pump.credit)
         return batch
@@ -105,36 +87,16 @@ class AsyncioBatchStream(Generic[T]):
             self._stop_sent = True
             self._link.to_trio(self._pump.cancel, reason)
 
-    # loop thread, posted by the trio pump
+    # loop thread (Inbox's hooks)
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def _deliver(self, batch: list[T]) -> None:
-        if not self._closed:
-            batches = self._batches
-            if batches and len(batches[-1]) + len(batch) <= MAX_BATCH:
-                batches[-1].extend(batch)  # the consumer has not come back yet: one batch for it, not two
-            else:
-                batches.append(batch)
-            self._wake()
-
-    def _fail(self, error: BaseException) -> None:
-        if not self._closed:
-            self._error = error
-            self._wake()
-
-    def _end(self) -> None:
-        self._ended = True
-        self._wake()
-
-    def _finished(self) -> None:
-        self._ended = True  # a trio task that died without reporting must not leave the consumer parked forever
+    def _pump_gone(self) -> None:
         self._trio_finished = True
         if self._trio_done is not None and not self._trio_done.done():
             self._trio_done.set_result(None)
-        self._wake()
 
 
 class _TrioPump(Generic[T]):

@@ -9,7 +9,15 @@
 ``DYN_SIDECAR_OPS_HOST``/``DYN_SIDECAR_OPS_PORT`` like the worker. ``probe`` is meant for Kubernetes exec probes of
 the engine container: it does one ``Control.Health`` call, bounded by ``--timeout-secs``, over the same transport
 as the worker (TLS with the worker's ``--grpc-tls-*`` flags and ``DYN_SIDECAR_GRPC_TLS_*`` variables, or a Unix socket).
-Exit statuses: 0 ok, 1 not ready / unreachable, 2 usage error.
+
+Exit statuses, for scripts (:data:`EXIT_OK`, :data:`EXIT_NOT_SERVING`, :data:`EXIT_UNREACHABLE`):
+
+* ``status``: 0 the worker is ``serving``; 1 reachable but not serving (its state and reason printed); 2 unreachable
+  or an unusable URL (the reason printed, one line).
+* ``probe``: 0 the engine reports READY; 1 not READY or unreachable; 2 an unusable ``--grpc-endpoint`` or TLS flag.
+* ``watch``: 0 after ``--duration-secs``; 1 the feed closed; 2 unreachable.
+
+Every refusal is one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -19,23 +27,30 @@ import json
 import os
 import sys
 from collections import deque
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import urlsplit
 
 import trio
 from rich.console import Console, Group
 from rich.live import Live
-from rich.table import Table
 from rich.text import Text
-from trio_websocket import ConnectionClosed, HandshakeError, open_websocket_url
+from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError, open_websocket_url
+
+from sidecar.engine import EndpointError
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import AsyncIterator, Sequence
 
     from sidecar.engine import EngineClientConfig
 
-__all__ = ["SUBCOMMANDS", "build_parser", "main"]
+__all__ = ["EXIT_NOT_SERVING", "EXIT_OK", "EXIT_UNREACHABLE", "SUBCOMMANDS", "build_parser", "main"]
 
 SUBCOMMANDS: Final = ("status", "watch", "probe")
+
+EXIT_OK: Final = 0
+EXIT_NOT_SERVING: Final = 1
+EXIT_UNREACHABLE: Final = 2
 
 _BAD_STATES: Final = frozenset({"failed", "degraded", "reconnecting"})
 
@@ -122,73 +137,127 @@ class FeedView:
         self.recent.extend(message.get("events", []))
 
     def render(self) -> Group:
+        """One line each: the worker, every other machine's non-zero counts, then the recent transitions (as many as
+        ``events`` allows); nothing wraps, so the view keeps its height on an 80x24 terminal."""
         state = (self.worker or {}).get("state", "?")
         reason = (self.worker or {}).get("reason")
         style = "bold red" if state in _BAD_STATES else "bold green" if state == "serving" else "bold yellow"
-        head = Text.assemble("worker ", (state, style), f"  ({reason})" if reason else "", f"   seq {self.seq}")
+        head = _line(Text.assemble("worker ", (state, style), f"  ({reason})" if reason else "", f"   seq {self.seq}"))
         if self.lost:
             head.append(f"   {self.lost} transition(s) not shown (feed overflow)", style="yellow")
-        tables = []
+        lines = [head]
         for machine in self.machines:
             name = machine["name"]
+            if name == "worker":
+                continue  # its one state is the head line
             terminal = set(machine.get("terminal", []))
-            table = Table(title=f"{name} states", title_justify="left", expand=False)
-            table.add_column("state")
-            table.add_column("count", justify="right")
-            table.add_column("", no_wrap=True)
             counts = self.counts.get(name, {})
-            for s in machine["states"]:
-                n = int(counts.get(s, 0))
-                marker = "total" if s in terminal else "now"
-                highlight = "bold green" if name == "worker" and s == state else ""
-                table.add_row(Text(s, style=highlight), str(n), marker)
-            tables.append(table)
-        events = Table(title="recent transitions", title_justify="left", expand=False)
-        for column in ("seq", "machine", "id", "transition", "reason"):
-            events.add_column(column, overflow="fold")
-        for ev in self.recent:
-            events.add_row(
-                str(ev["seq"]), ev["machine"], ev["id"], f"{ev['from']} -{ev['event']}-> {ev['to']}", ev["reason"] or ""
-            )
-        return Group(head, *tables, events) if self.recent.maxlen else Group(head, *tables)
+            now = [f"{s} {counts[s]}" for s in machine["states"] if s not in terminal and counts.get(s)]
+            total = [f"{s} {counts[s]}" for s in machine["states"] if s in terminal and counts.get(s)]
+            text = f"{name}: now {', '.join(now) or 'none'} | total {', '.join(total) or 'none'}"
+            lines.append(_line(Text(text)))
+        if self.recent.maxlen:
+            lines.append(_line(Text("recent transitions", style="bold")))
+            for ev in self.recent:
+                reason_text = f"  {ev['reason']}" if ev.get("reason") else ""
+                lines.append(
+                    _line(Text(f"{ev['seq']:>6} {ev['machine']} {ev['id']} {ev['from']} -{ev['event']}-> {ev['to']}"))
+                )
+                if reason_text:
+                    lines[-1].append(reason_text, style="dim")
+        return Group(*lines)
+
+
+def _line(text: Text) -> Text:
+    text.no_wrap = True
+    text.overflow = "ellipsis"
+    return text
+
+
+# -- status and watch ------------------------------------------------------------------------------------------------
+
+
+class Unreachable(Exception):
+    """The feed cannot be read at this URL; the message is the reason, one line."""
+
+
+def _check_url(url: str) -> None:
+    parsed = urlsplit(url)
+    if parsed.scheme not in ("ws", "wss") or not parsed.hostname:
+        raise Unreachable(f"not a websocket URL (expected ws://HOST:PORT/ws): {url!r}")
+    if parsed.path != "/ws":
+        raise Unreachable(f"the feed is at path /ws (expected ws://HOST:PORT/ws), not {parsed.path or '/'!r}")
+
+
+def _why(exc: BaseException) -> str:
+    """The innermost reason of a connection failure, one line (trio-websocket wraps the OSError that says it)."""
+    if isinstance(exc, ConnectionRejected):
+        return f"HTTP {exc.status_code} instead of a websocket upgrade: is this a worker's ops port?"
+    if isinstance(exc, trio.TooSlowError):
+        return "no answer in time"
+    while not str(exc) and (exc.__cause__ or exc.__context__) is not None:
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+@asynccontextmanager
+async def _feed(url: str, timeout_s: float) -> AsyncIterator[tuple[Any, dict[str, Any]]]:
+    """The websocket and its first message (the snapshot); connecting and the snapshot are bounded by ``timeout_s``."""
+    _check_url(url)
+    with trio.CancelScope(deadline=trio.current_time() + timeout_s) as connecting:
+        try:
+            async with open_websocket_url(url) as ws:
+                snapshot = json.loads(await ws.get_message())
+                connecting.deadline = float("inf")
+                yield ws, snapshot
+                return
+        except (OSError, HandshakeError, ConnectionClosed, ValueError) as exc:
+            raise Unreachable(_why(exc)) from None
+    if connecting.cancelled_caught:
+        raise Unreachable(f"no answer within {timeout_s:g}s")
 
 
 async def _status(url: str, timeout_s: float, as_json: bool, console: Console) -> int:
-    with trio.fail_after(timeout_s):
-        async with open_websocket_url(url) as ws:
-            snapshot = json.loads(await ws.get_message())
+    async with _feed(url, timeout_s) as (_, snapshot):
+        pass
     if as_json:
         console.print_json(data=snapshot)
     else:
         console.print(FeedView(snapshot, events=0).render())
-    return 0
+    worker = snapshot.get("worker") or {}
+    if worker.get("state") == "serving":
+        return EXIT_OK
+    if not as_json:
+        reason = f": {worker['reason']}" if worker.get("reason") else ""
+        print(f"openengine-sidecar status: not serving ({worker.get('state', 'unknown')}{reason})", file=sys.stderr)
+    return EXIT_NOT_SERVING
 
 
 async def _watch(url: str, timeout_s: float, duration_s: float | None, events: int, console: Console) -> int:
     with trio.move_on_after(duration_s if duration_s is not None else float("inf")):
-        # Bound connecting and the first message only; the view itself runs until the duration or Ctrl-C.
-        with trio.CancelScope(deadline=trio.current_time() + timeout_s) as connecting:
-            async with open_websocket_url(url) as ws:
-                view = FeedView(json.loads(await ws.get_message()), events=events)
-                connecting.deadline = float("inf")
-                with Live(view.render(), console=console, refresh_per_second=8) as live:
-                    while True:
-                        try:
-                            message = json.loads(await ws.get_message())
-                        except ConnectionClosed as exc:
-                            console.print(f"feed closed: {exc.reason}")
-                            return 1
-                        view.apply(message)
-                        live.update(view.render())
-        if connecting.cancelled_caught:
-            raise trio.TooSlowError
-    return 0
+        async with _feed(url, timeout_s) as (ws, snapshot):
+            view = FeedView(snapshot, events=_fit(events, snapshot, console))
+            with Live(view.render(), console=console, refresh_per_second=8) as live:
+                while True:
+                    try:
+                        message = json.loads(await ws.get_message())
+                    except ConnectionClosed as exc:
+                        console.print(f"feed closed: {exc.reason}")
+                        return EXIT_NOT_SERVING
+                    view.apply(message)
+                    live.update(view.render())
+    return EXIT_OK
+
+
+def _fit(events: int, snapshot: dict[str, Any], console: Console) -> int:
+    """How many transitions fit under the head, one line per machine and the transitions' title."""
+    fixed = 2 + sum(1 for machine in snapshot.get("machines", []) if machine.get("name") != "worker")
+    return max(0, min(events, console.size.height - fixed - 1))
 
 
 def _probe_config(args: argparse.Namespace) -> EngineClientConfig | str:
     """The probe's engine client configuration, or the one-line usage error (exit 2)."""
     from sidecar.engine import (
-        EndpointError,
         EngineClientConfig,
         TlsFilesError,
         parse_endpoint,
@@ -246,7 +315,7 @@ async def _probe(config: EngineClientConfig, timeout_s: float, quiet: bool) -> i
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one subcommand; returns the exit status."""
+    """Run one subcommand; returns the exit status (see the module docstring)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     console = Console()
@@ -255,16 +324,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = _probe_config(args)
             if isinstance(config, str):
                 print(f"openengine-sidecar probe: {config}", file=sys.stderr)
-                return 2
+                return EXIT_UNREACHABLE
             return trio.run(_probe, config, args.timeout_secs, args.quiet)
         if not args.ops_url:
             parser.error("--ops-url is required (or set DYN_SIDECAR_OPS_PORT)")
         if args.command == "status":
             return trio.run(_status, args.ops_url, args.timeout_secs, args.json, console)
         return trio.run(_watch, args.ops_url, args.timeout_secs, args.duration_secs, args.events, console)
-    except (OSError, HandshakeError, ConnectionClosed, trio.TooSlowError) as exc:
-        what = args.ops_url if args.command != "probe" else args.grpc_endpoint
-        print(f"openengine-sidecar {args.command}: {what}: {exc or type(exc).__name__}", file=sys.stderr)
-        return 1
+    except Unreachable as exc:
+        print(f"openengine-sidecar {args.command}: {args.ops_url}: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     except KeyboardInterrupt:
         return 130

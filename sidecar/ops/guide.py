@@ -1,10 +1,11 @@
-"""The generated part of ``docs/operator-guide.md``: every flag of ``openengine-sidecar`` and its subcommands.
+"""The generated parts of ``docs/operator-guide.md``: every flag of ``openengine-sidecar`` and its subcommands, and
+every metric family the worker exports.
 
-The tables are rendered from the argument parsers themselves (``sidecar.cli.build_parser`` and
-``sidecar.ops.cli.build_parser``), between two marker comments of the hand-written guide, by
-``scripts/gen_state_docs.py``; ``--check`` (run by the test suite) fails when the committed guide differs. Defaults
-are rendered from a clean environment: the parsers read their ``DYN_*`` twins as defaults, and the docs must not
-depend on the machine that generated them.
+The flag tables are rendered from the argument parsers themselves (``sidecar.cli.build_parser`` and
+``sidecar.ops.cli.build_parser``), the metrics table from the metrics registry (``sidecar.ops.metrics.catalogue``),
+each between two marker comments of the hand-written guide, by ``scripts/gen_state_docs.py``; ``--check`` (run by the
+test suite) fails when the committed guide differs. Defaults are rendered from a clean environment: the parsers read
+their ``DYN_*`` twins as defaults, and the docs must not depend on the machine that generated them.
 """
 
 from __future__ import annotations
@@ -18,10 +19,14 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["BEGIN", "END", "flag_tables", "update_guide"]
+__all__ = ["BEGIN", "END", "METRICS_BEGIN", "METRICS_END", "flag_tables", "metrics_table", "update_guide"]
 
 BEGIN: Final = "<!-- BEGIN GENERATED FLAGS (scripts/gen_state_docs.py; edit sidecar/cli.py, not this table) -->"
 END: Final = "<!-- END GENERATED FLAGS -->"
+METRICS_BEGIN: Final = (
+    "<!-- BEGIN GENERATED METRICS (scripts/gen_state_docs.py; edit the metric definitions, not this table) -->"
+)
+METRICS_END: Final = "<!-- END GENERATED METRICS -->"
 
 _ENV = re.compile(r"\s*\[env ([A-Z0-9_]+)\]\s*$")
 
@@ -85,8 +90,25 @@ def flag_tables() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def metrics_table() -> str:
+    """Markdown: one row per exported family (every module that registers metrics is imported first)."""
+    import sidecar.kv  # noqa: F401 -- registers the routing-signal families
+    from sidecar.ops import metrics
+
+    rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for doc in metrics.catalogue():
+        labels = ", ".join(f"`{label}`" for label in doc.labels)
+        rows.append(f"| `{doc.name}` | {doc.type} | {labels} | {_cell(doc.help)} |")
+    return "\n".join(rows) + "\n"
+
+
+def _replace(text: str, begin: str, end: str, body: str) -> str:
+    start = text.index(begin) + len(begin)
+    stop = text.index(end, start)
+    return f"{text[:start]}\n\n{body}\n{text[stop:]}"
+
+
 def update_guide(text: str) -> str:
-    """``text`` with the region between :data:`BEGIN` and :data:`END` replaced by :func:`flag_tables`."""
-    start = text.index(BEGIN) + len(BEGIN)
-    end = text.index(END, start)
-    return f"{text[:start]}\n\n{flag_tables()}\n{text[end:]}"
+    """``text`` with the regions between :data:`BEGIN`/:data:`END` and :data:`METRICS_BEGIN`/:data:`METRICS_END`
+    replaced by :func:`flag_tables` and :func:`metrics_table`."""
+    return _replace(_replace(text, BEGIN, END, flag_tables()), METRICS_BEGIN, METRICS_END, metrics_table())

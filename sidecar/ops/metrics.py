@@ -5,6 +5,12 @@ The registry is exported through the worker's Dynamo system port (``DYN_SYSTEM_P
 ``openengine_sidecar_*`` families next to Dynamo's ``dynamo_component_*``. A registry of our own (not
 prometheus-client's default one) keeps Python's ``process_*``/``python_*`` collectors out of Dynamo's page.
 
+Dynamo's conventions: every exported sample carries Dynamo's ``dynamo_namespace``/``dynamo_component``/
+``dynamo_endpoint`` labels (:func:`set_dynamo_labels`; Dynamo injects them into its own series, not into a callback's
+text), and the engine's KV usage is also exported under the names Dynamo 1.6.1's own backends use
+(``dynamo_component_total_blocks``, ``dynamo_component_gpu_cache_usage_percent``; ``LLMBackendMetrics`` in
+``dynamo.common.utils.prometheus``), derived at scrape time from ``openengine_sidecar_engine_kv_blocks``.
+
 Label values come from fixed sets (outcomes, violation names, RPC names, gRPC status names, state names), so
 cardinality stays bounded; request ids never become labels. Nothing here is updated per token: a request records its
 token counts and latencies once, when it ends (:class:`RequestStats`).
@@ -16,11 +22,12 @@ prometheus-client's metric objects lock internally, and :class:`_StateCollector`
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from sidecar.errors import EngineFailure, EngineGone, EngineRpcError, ProtocolViolation, WorkerDraining
@@ -29,11 +36,13 @@ from statemachines import KINDS, REQUEST, WORKER
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator, Sequence
 
-    from prometheus_client.metrics_core import Metric
-
 __all__ = [
     "ABORTS",
     "ABORT_LATENCY",
+    "DYNAMO_CACHE_USAGE",
+    "DYNAMO_LABELS",
+    "DYNAMO_TOTAL_BLOCKS",
+    "ENGINE_KV_BLOCKS",
     "ENGINE_RPC_LATENCY",
     "HEALTH_TRANSITIONS",
     "INPUT_TOKENS",
@@ -50,11 +59,16 @@ __all__ = [
     "REQUESTS_RECEIVED",
     "TIME_TO_FIRST_TOKEN",
     "WORKER_STATE",
+    "FamilyDoc",
     "RequestStats",
+    "catalogue",
+    "collect_families",
+    "dynamo_labels",
     "exposition",
     "mark_worker_state",
     "observe_rpc",
     "rpc_code",
+    "set_dynamo_labels",
     "typed_families",
 ]
 
@@ -181,15 +195,9 @@ class _StateCollector(Collector):
             "Requests currently in each non-terminal request state (statemachines/request.py)",
             labels=["state"],
         )
-        ended = CounterMetricFamily(
-            f"{PREFIX}_requests_terminal",
-            "Requests that reached each terminal request state since the process started",
-            labels=["state"],
-        )
+        # Terminal states are left to ``requests_ended_total{outcome}``: a second family with the same counts is noise.
         for state, count in REQUEST.counts().items():
-            if state in REQUEST.terminal:
-                ended.add_metric([state], count)
-            else:
+            if state not in REQUEST.terminal:
                 active.add_metric([state], count)
         abandoned = CounterMetricFamily(
             f"{PREFIX}_lifecycles_abandoned",
@@ -199,7 +207,6 @@ class _StateCollector(Collector):
         for kind in KINDS:
             abandoned.add_metric([kind.name], kind.abandoned)
         yield active
-        yield ended
         yield abandoned
 
     def describe(self) -> Iterable[Metric]:
@@ -208,10 +215,10 @@ class _StateCollector(Collector):
 
 REGISTRY.register(_StateCollector())
 
-for _state in WORKER.states:
-    WORKER_STATE.labels(state=_state).set(0)
 for _outcome in sorted(REQUEST.terminal):
     REQUESTS_ENDED.labels(outcome=_outcome)
+for _state in WORKER.states:
+    WORKER_STATE.labels(state=_state).set(0)
 for _stage in ("lost", "recovered"):
     RECONNECTS.labels(stage=_stage)
 for _change in ("degraded", "recovered"):
@@ -282,16 +289,89 @@ class RequestStats:
         observe_rpc("Generate", code, time.monotonic() - self._start)
 
 
+#: Dynamo's label names for the series of one endpoint (``dynamo.prometheus_names.labels``).
+DYNAMO_LABELS: Final = ("dynamo_namespace", "dynamo_component", "dynamo_endpoint")
+#: Dynamo 1.6.1's names for a worker's KV usage (``prometheus_names.kvstats`` under the ``dynamo_component`` prefix).
+DYNAMO_TOTAL_BLOCKS: Final = "dynamo_component_total_blocks"
+DYNAMO_CACHE_USAGE: Final = "dynamo_component_gpu_cache_usage_percent"
+#: Our family the Dynamo-named KV usage is derived from (registered by ``sidecar.kv``, ``kind`` = used | total).
+ENGINE_KV_BLOCKS: Final = f"{PREFIX}_engine_kv_blocks"
+
+_labels: dict[str, str] = {"dynamo_namespace": "dynamo", "dynamo_component": "backend", "dynamo_endpoint": "generate"}
+_model: str = ""
+
+
+def set_dynamo_labels(namespace: str, component: str, endpoint: str, model: str | None = None) -> None:
+    """The Dynamo identity every exported sample carries (and, for the KV usage families, the served model).
+
+    Called before anything is exported (the component may change once, when discovery finds a prefill engine).
+    """
+    global _labels, _model
+    _labels = {"dynamo_namespace": namespace, "dynamo_component": component, "dynamo_endpoint": endpoint}
+    if model is not None:
+        _model = model
+
+
+def dynamo_labels() -> dict[str, str]:
+    """The labels :func:`set_dynamo_labels` set (a copy)."""
+    return dict(_labels)
+
+
+def _with_labels(metric: Metric, extra: dict[str, str]) -> Metric:
+    out = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+    # A label the family already has wins (Dynamo's injection rule: it never overwrites a label).
+    out.samples = [s._replace(labels={**extra, **s.labels}) for s in metric.samples]
+    return out
+
+
+def _dynamo_kv_families(families: list[Metric]) -> list[Metric]:
+    """``openengine_sidecar_engine_kv_blocks{rank, kind}`` under Dynamo's worker names, per ``dp_rank``."""
+    used: dict[str, float] = {}
+    total: dict[str, float] = {}
+    for family in families:
+        if family.name != ENGINE_KV_BLOCKS:
+            continue
+        for s in family.samples:
+            (used if s.labels.get("kind") == "used" else total)[s.labels["rank"]] = float(s.value)
+    blocks = GaugeMetricFamily(
+        DYNAMO_TOTAL_BLOCKS, "Total number of KV cache blocks available on the worker.", labels=["model", "dp_rank"]
+    )
+    usage = GaugeMetricFamily(
+        DYNAMO_CACHE_USAGE, "GPU cache usage as a percentage (0.0-1.0).", labels=["model", "dp_rank"]
+    )
+    for rank in sorted(total, key=int):
+        blocks.add_metric([_model, rank], total[rank])
+        if rank in used and total[rank] > 0:
+            usage.add_metric([_model, rank], used[rank] / total[rank])
+    return [blocks, usage] if blocks.samples else []
+
+
+def collect_families() -> list[Metric]:
+    """Everything this process exports: the registry plus the Dynamo-named KV usage, each sample with Dynamo's
+    labels."""
+    families = list(REGISTRY.collect())
+    families += _dynamo_kv_families(families)
+    extra = dict(_labels)
+    return [_with_labels(family, extra) for family in families]
+
+
+class _Exported:
+    """What :func:`generate_latest` scrapes: :func:`collect_families` (it only needs ``collect``)."""
+
+    def collect(self) -> list[Metric]:
+        return collect_families()
+
+
 def exposition() -> str:
-    """The registry in Prometheus text format (what Dynamo appends to the system port's ``/metrics``)."""
-    return generate_latest(REGISTRY).decode("utf-8")
+    """Everything exported, in Prometheus text format (what Dynamo appends to the system port's ``/metrics``)."""
+    return generate_latest(_Exported()).decode("utf-8")
 
 
 _Sample = tuple[str, list[tuple[str, str]], float, float | None]
 
 
 def typed_families() -> list[tuple[str, str, str, str, list[_Sample]]]:
-    """The registry as Dynamo's typed-callback structure (its OTLP export): ``(name, help, type, unit, samples)``."""
+    """The same as Dynamo's typed-callback structure (its OTLP export): ``(name, help, type, unit, samples)``."""
     return [
         (
             metric.name,
@@ -303,5 +383,39 @@ def typed_families() -> list[tuple[str, str, str, str, list[_Sample]]]:
                 for s in metric.samples
             ],
         )
-        for metric in REGISTRY.collect()
+        for metric in collect_families()
     ]
+
+
+class FamilyDoc(NamedTuple):
+    """One exported family as the operator guide lists it."""
+
+    name: str  # as exposed (counters with ``_total``)
+    type: str
+    labels: tuple[str, ...]  # without Dynamo's three, which every family carries
+    help: str
+
+
+def catalogue() -> list[FamilyDoc]:
+    """Every family this process can export, sorted by name, with its label names -- also those of labelled
+    families that have no sample yet (read from the metric objects, which know their label names)."""
+    docs: dict[str, FamilyDoc] = {}
+    for collector in list(REGISTRY._collector_to_names):
+        if isinstance(collector, MetricWrapperBase):
+            kind = str(collector._type)
+            name = collector._name + ("_total" if kind == "counter" else "")
+            labels = tuple(collector._labelnames)
+            docs[name] = FamilyDoc(name, kind, labels, collector._documentation)
+            continue
+        for family in collector.collect():
+            names = {key for s in family.samples for key in s.labels}
+            name = family.name + ("_total" if family.type == "counter" else "")
+            docs[name] = FamilyDoc(name, family.type, tuple(sorted(names)), family.documentation)
+    for dynamo_name in (DYNAMO_TOTAL_BLOCKS, DYNAMO_CACHE_USAGE):
+        help_text = (
+            "Total number of KV cache blocks available on the worker (Dynamo's name; from GetLoad)"
+            if dynamo_name == DYNAMO_TOTAL_BLOCKS
+            else "GPU cache usage as a percentage (0.0-1.0) (Dynamo's name; used / total from GetLoad)"
+        )
+        docs[dynamo_name] = FamilyDoc(dynamo_name, "gauge", ("model", "dp_rank"), help_text)
+    return sorted(docs.values())

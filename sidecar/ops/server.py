@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from .feed import StateFeed
 
-__all__ = ["HEAD_TIMEOUT_S", "MAX_HEAD_BYTES", "serve_live_state", "serve_ops"]
+__all__ = ["HEAD_TIMEOUT_S", "MAX_HEAD_BYTES", "read_head", "respond", "serve_live_state", "serve_ops"]
 
 log: Final = logging.getLogger("sidecar.ops")
 
@@ -74,7 +74,7 @@ class _Replay(trio.abc.Stream):
         await self._stream.aclose()
 
 
-async def _read_head(stream: trio.abc.Stream) -> bytes | None:
+async def read_head(stream: trio.abc.Stream) -> bytes | None:
     """Everything received up to and including the end of the request head (None: EOF or too long)."""
     data = bytearray()
     while b"\r\n\r\n" not in data:
@@ -87,7 +87,7 @@ async def _read_head(stream: trio.abc.Stream) -> bytes | None:
     return bytes(data)
 
 
-async def _respond(
+async def respond(
     stream: trio.abc.Stream,
     conn: h11.Connection,
     status: int,
@@ -138,7 +138,7 @@ async def _handle(feed: StateFeed, page: bytes, stream: trio.abc.Stream) -> None
     event: h11.Request | None = None
     try:
         with trio.move_on_after(HEAD_TIMEOUT_S):
-            head = await _read_head(stream)
+            head = await read_head(stream)
             if head is None:
                 return
             conn = h11.Connection(h11.SERVER)
@@ -157,7 +157,7 @@ async def _handle(feed: StateFeed, page: bytes, stream: trio.abc.Stream) -> None
         headers = {name.lower(): value for name, value in event.headers}
         upgrade = b"websocket" in headers.get(b"upgrade", b"").lower()
         if event.method != b"GET":
-            await _respond(stream, conn, 405, "text/plain", b"read-only: GET only\n", ("allow", "GET"))
+            await respond(stream, conn, 405, "text/plain", b"read-only: GET only\n", ("allow", "GET"))
         elif path == "/ws" and upgrade:
             async with trio.open_nursery() as nursery:
                 request = await wrap_server_stream(nursery, _Replay(stream, head))
@@ -165,16 +165,16 @@ async def _handle(feed: StateFeed, page: bytes, stream: trio.abc.Stream) -> None
                 await _serve_feed(ws, feed)
                 nursery.cancel_scope.cancel(reason="websocket done")
         elif path == "/ws":
-            await _respond(stream, conn, 426, "text/plain", b"websocket upgrade required\n", ("upgrade", "websocket"))
+            await respond(stream, conn, 426, "text/plain", b"websocket upgrade required\n", ("upgrade", "websocket"))
         elif path in ("/", "/index.html"):
-            await _respond(stream, conn, 200, "text/html; charset=utf-8", page, ("content-security-policy", _CSP))
+            await respond(stream, conn, 200, "text/html; charset=utf-8", page, ("content-security-policy", _CSP))
         elif path == "/favicon.ico":
-            await _respond(stream, conn, 204, "image/x-icon", b"")
+            await respond(stream, conn, 204, "image/x-icon", b"")
         elif path == "/snapshot":
             body = json.dumps(feed.snapshot(), indent=1).encode()
-            await _respond(stream, conn, 200, "application/json", body)
+            await respond(stream, conn, 200, "application/json", body)
         else:
-            await _respond(stream, conn, 404, "text/plain", b"not found: try / or /ws\n")
+            await respond(stream, conn, 404, "text/plain", b"not found: try / or /ws\n")
     except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionClosed):
         pass
     finally:
@@ -193,7 +193,11 @@ async def serve_ops(
 
     ``task_status.started((host, port))`` reports the address actually bound.
     """
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    except OSError as exc:
+        # One line for the operator (the worker refuses to start with it), not trio's multi-attempt traceback.
+        raise OSError(exc.errno, f"--ops-port {port} on {host}: {exc.strerror or exc}") from None
     page = render_page(feed.kinds, title=title).encode()
     bound = listeners[0].socket.getsockname()
     async with trio.open_nursery() as nursery:

@@ -41,7 +41,7 @@ async def start_worker(denv: DynamoEnv, engine: str, *args: str, name: str) -> A
 
 async def requests_received(http: httpx.AsyncClient, worker: Worker) -> int:
     text = (await http.get(f"{worker.system_url}/metrics")).text
-    match = re.search(r"^openengine_sidecar_requests_received_total (\S+)$", text, re.MULTILINE)
+    match = re.search(r"^openengine_sidecar_requests_received_total(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE)
     return int(float(match.group(1))) if match else 0
 
 

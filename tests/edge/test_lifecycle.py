@@ -128,3 +128,18 @@ def test_posting_into_a_finished_trio_run_reports_false_instead_of_raising() -> 
 
     token = trio.run(grab_token)
     assert to_trio(token, print) is False
+
+
+def test_both_consumer_sides_share_one_inbox() -> None:
+    """Issue 15 item 9: trio's and asyncio's consumer of a bridged stream are one buffer with two ways to wait."""
+    from sidecar.edge._inbox import Inbox
+    from sidecar.edge._to_asyncio import BatchStream
+    from sidecar.edge._to_trio import AsyncioBatchStream
+
+    for side in (BatchStream, AsyncioBatchStream):
+        assert issubclass(side, Inbox)
+        # The shared part lives in the base only: neither side keeps a copy of it.
+        for name in ("_take", "_deliver", "_fail", "_end", "_finished"):
+            assert name not in vars(side), (side.__name__, name)
+        for name in ("_wake", "_pump_gone"):
+            assert name in vars(side), (side.__name__, name)

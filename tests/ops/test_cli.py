@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import TYPE_CHECKING
 
 import pytest
@@ -88,22 +89,133 @@ async def test_status_prints_the_snapshot(worker_model: WorkerLifecycle) -> None
         async with trio.open_nursery() as nursery:
             host, port = await nursery.start(serve_ops, feed, "127.0.0.1", 0)
             url = f"ws://{host}:{port}/ws"
-            assert await ops_cli._status(url, 5, False, console) == 0
+            assert await ops_cli._status(url, 5, False, console) == ops_cli.EXIT_NOT_SERVING  # starting
             text = console.export_text()
-            assert await ops_cli._status(url, 5, True, console) == 0
+            assert await ops_cli._status(url, 5, True, console) == ops_cli.EXIT_NOT_SERVING
             raw = console.export_text()
             nursery.cancel_scope.cancel()
     assert "worker starting" in text
-    assert "request states" in text
-    assert "received" in text
+    assert "request: now" in text
     assert json.loads(raw)["type"] == "snapshot"
 
 
-def test_status_of_a_closed_port_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_status_of_a_closed_port_exits_2_with_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
     from tests.helpers.processes import free_port
 
-    assert ops_cli.main(["status", "--ops-url", f"ws://127.0.0.1:{free_port()}/ws", "--timeout-secs", "2"]) == 1
-    assert "openengine-sidecar status" in capsys.readouterr().err
+    url = f"ws://127.0.0.1:{free_port()}/ws"
+    assert ops_cli.main(["status", "--ops-url", url, "--timeout-secs", "2"]) == ops_cli.EXIT_UNREACHABLE
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(f"openengine-sidecar status: {url}: ")
+    assert "connect" in line.removeprefix(f"openengine-sidecar status: {url}: "), line  # the reason, not nothing
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://127.0.0.1:9345/ws", "not a websocket URL"),
+        ("127.0.0.1:9345", "not a websocket URL"),
+        ("ws://127.0.0.1:9345", "path /ws"),
+        ("ws://127.0.0.1:9345/", "path /ws"),
+    ],
+)
+def test_an_unusable_ops_url_is_one_line(url: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("status", "watch"):
+        assert ops_cli.main([command, "--ops-url", url, "--timeout-secs", "2"]) == ops_cli.EXIT_UNREACHABLE
+        assert says in _one_line(capsys.readouterr().err)
+
+
+async def test_a_server_that_is_not_the_feed_is_one_line_without_its_page(capsys: pytest.CaptureFixture[str]) -> None:
+    """Something else answers on that port (the system port, a web page): its status, never a 69 KB body dump."""
+    page = b"<html>" + b"x" * 70_000 + b"</html>"
+
+    async def http_page(stream: trio.SocketStream) -> None:
+        with trio.move_on_after(5):
+            await stream.receive_some(65536)
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: %d\r\n\r\n" % len(page)
+            await stream.send_all(head + page)
+            await stream.aclose()
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(partial(trio.serve_tcp, http_page, 0, host="127.0.0.1"))
+            port = listeners[0].socket.getsockname()[1]
+            url = f"ws://127.0.0.1:{port}/ws"
+            status = await trio.to_thread.run_sync(ops_cli.main, ["status", "--ops-url", url, "--timeout-secs", "5"])
+            nursery.cancel_scope.cancel()
+    assert status == ops_cli.EXIT_UNREACHABLE
+    line = _one_line(capsys.readouterr().err)
+    assert "HTTP 200" in line
+    assert len(line) < 300
+
+
+async def test_status_exit_code_says_whether_the_worker_serves(
+    worker_model: WorkerLifecycle, capsys: pytest.CaptureFixture[str]
+) -> None:
+    feed = StateFeed(worker=worker_model)
+    console = Console(record=True, width=100, force_terminal=False)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            host, port = await nursery.start(serve_ops, feed, "127.0.0.1", 0)
+            url = f"ws://{host}:{port}/ws"
+            worker_model.fire("connect", reason="127.0.0.1:50051")
+            assert await ops_cli._status(url, 5, False, console) == ops_cli.EXIT_NOT_SERVING
+            assert "not serving (connecting: 127.0.0.1:50051)" in _one_line(capsys.readouterr().err)
+            for event in ("connected", "discovered", "ready", "registered"):
+                worker_model.fire(event)
+            assert await ops_cli._status(url, 5, False, console) == ops_cli.EXIT_OK
+            assert await ops_cli._status(url, 5, True, console) == ops_cli.EXIT_OK
+            nursery.cancel_scope.cancel()
+
+
+def test_a_bad_probe_endpoint_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    for endpoint in ("nonsense:::", "http://engine:1/path", "engine:99999"):
+        assert ops_cli.main(["probe", "--grpc-endpoint", endpoint]) == ops_cli.EXIT_UNREACHABLE
+        assert _one_line(capsys.readouterr().err).startswith("openengine-sidecar probe: --grpc-endpoint: ")
+
+
+def _event(seq: int) -> dict[str, object]:
+    reason = "drain deadline: retry on another worker " * 3
+    return {"seq": seq, "machine": "request", "id": f"req-{seq:032x}", "event": "cancel", "from": "streaming",
+            "to": "cancelled", "reason": reason}  # fmt: skip
+
+
+def test_watch_fits_80_by_24() -> None:
+    machines = [
+        {"name": "worker", "states": ["starting", "serving"], "terminal": []},
+        {"name": "request", "states": ["received", "submitted", "streaming", "finished", "failed"],
+         "terminal": ["finished", "failed"]},
+        {"name": "kv_subscription", "states": ["connecting", "streaming", "closed"], "terminal": ["closed"]},
+        {"name": "lora", "states": ["loading", "loaded", "unloaded"], "terminal": ["unloaded"]},
+    ]  # fmt: skip
+    snapshot = {
+        "machines": machines,
+        "worker": {"state": "reconnecting", "reason": "engine lost: UNAVAILABLE " + "very long reason " * 10},
+        "counts": {"request": {"submitted": 12, "streaming": 400, "finished": 123456, "failed": 7}},
+        "seq": 10,
+    }
+    console = Console(record=True, width=80, height=24, force_terminal=True)
+    view = ops_cli.FeedView(snapshot, events=ops_cli._fit(15, snapshot, console))
+    view.apply(
+        {
+            "type": "events",
+            "last_seq": 40,
+            "worker": snapshot["worker"],
+            "events": [_event(i) for i in range(11, 41)],
+        }
+    )
+    console.print(view.render())
+    lines = console.export_text().rstrip("\n").splitlines()
+    assert len(lines) <= 24, len(lines)
+    assert all(len(line) <= 80 for line in lines)
+    assert "worker reconnecting" in lines[0]
+    assert any("streaming 400" in line for line in lines)
 
 
 def test_the_view_applies_batches() -> None:

@@ -50,3 +50,28 @@ def test_a_new_flag_makes_the_guide_stale(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr("sidecar.cli.build_parser", extended)
     assert "`--brand-new` | `DYN_BRAND_NEW`" in guide.update_guide(text)
+
+
+def test_every_exported_metric_family_is_in_the_guide() -> None:
+    """With the whole worker imported (every module that registers a family), each family has a row."""
+    import sidecar.worker  # noqa: F401
+    from sidecar.ops import metrics
+
+    text = GUIDE.read_text(encoding="utf-8")
+    table = text[text.index(guide.METRICS_BEGIN) : text.index(guide.METRICS_END)]
+    documented = {line.split("`")[1] for line in table.splitlines() if line.startswith("| `")}
+    assert documented == {doc.name for doc in metrics.catalogue()}
+
+
+def test_a_new_metric_makes_the_guide_stale() -> None:
+    from prometheus_client import Counter
+
+    from sidecar.ops import metrics
+
+    text = GUIDE.read_text(encoding="utf-8")
+    extra = Counter("openengine_sidecar_brand_new", "a family nobody documented", ["why"], registry=metrics.REGISTRY)
+    try:
+        assert "| `openengine_sidecar_brand_new_total` | counter | `why` |" in guide.update_guide(text)
+        assert guide.update_guide(text) != text
+    finally:
+        metrics.REGISTRY.unregister(extra)

@@ -10,7 +10,15 @@ from collections.abc import Iterator
 import pytest
 import trio
 
-from sidecar.ops.logs import REQUEST_ID, ContextFilter, JsonFormatter, TextFormatter, configure_logging
+from sidecar.ops.logs import (
+    REQUEST_ID,
+    ContextFilter,
+    JsonFormatter,
+    TextFormatter,
+    configure_logging,
+    dynamo_logging_environment,
+    parse_levels,
+)
 from statemachines import WorkerLifecycle
 
 
@@ -107,3 +115,67 @@ def test_configure_logging_replaces_its_own_handler(worker: WorkerLifecycle) -> 
     finally:
         root.handlers[:], level = saved
         root.setLevel(level)
+
+
+@pytest.fixture
+def restore_levels() -> Iterator[None]:
+    names = ("", "hpack", "hpack.hpack", "h2", "grpclib", "sidecar.kv")
+    saved = {name: logging.getLogger(name).level for name in names}
+    handlers = logging.getLogger().handlers[:]
+    yield
+    for name, level in saved.items():
+        logging.getLogger(name).setLevel(level)
+    logging.getLogger().handlers[:] = handlers
+
+
+def test_debug_keeps_the_http2_wire_loggers_at_warning(restore_levels: None) -> None:
+    """--log-level debug: our loggers at DEBUG, hpack/h2/grpclib (a line per header frame) still at WARNING."""
+    configure_logging("debug", "text")
+    assert logging.getLogger("sidecar.requests").isEnabledFor(logging.DEBUG)
+    for name in ("hpack.hpack", "hpack.table", "h2.connection", "grpclib.protocol"):
+        assert not logging.getLogger(name).isEnabledFor(logging.INFO), name
+        assert logging.getLogger(name).isEnabledFor(logging.WARNING), name
+
+
+def test_the_wire_loggers_log_when_asked_for_by_name(restore_levels: None) -> None:
+    configure_logging("info,hpack=debug,sidecar.kv=warning", "text")
+    assert logging.getLogger("hpack.hpack").isEnabledFor(logging.DEBUG)
+    assert not logging.getLogger("h2.connection").isEnabledFor(logging.INFO)
+    assert not logging.getLogger("sidecar.kv").isEnabledFor(logging.INFO)
+    assert logging.getLogger("sidecar.worker").isEnabledFor(logging.INFO)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [("verbose", "unknown level 'verbose'"), ("info,debug", "two default levels"), ("info,=debug", "without a logger")],
+)
+def test_malformed_levels_are_refused_in_one_line(text: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        parse_levels(text)
+
+
+def test_dynamos_own_lines_follow_ours() -> None:
+    env: dict[str, str] = {}
+    applied = dynamo_logging_environment("debug,hpack=debug", "json", env, tty=False)
+    assert set(applied) == {"DYN_LOG", "DYN_LOGGING_JSONL", "DYN_SDK_DISABLE_ANSI_LOGGING"}
+    assert env["DYN_LOG"] == "debug,hpack=debug,tower_http::trace::on_failure=off"
+    assert env["DYN_LOGGING_JSONL"] == "1"
+    assert env["DYN_SDK_DISABLE_ANSI_LOGGING"] == "1"
+    # On a terminal, in text, with the operator's own choices: only the probe noise is added.
+    env = {"DYN_LOG": "info,tower_http=debug", "DYN_LOGGING_JSONL": "0"}
+    assert dynamo_logging_environment("info,tower_http=debug", "json", env, tty=True) == []
+    assert env == {"DYN_LOG": "info,tower_http=debug", "DYN_LOGGING_JSONL": "0"}
+
+
+def test_the_worker_cli_sets_dynamos_logging_before_dynamo_is_imported(model_dir: object) -> None:
+    """Dynamo reads its logging variables once, at import: parsing the flags must not import it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from sidecar.cli import parse_config; "
+        "parse_config(['--grpc-endpoint', '127.0.0.1:1', '--model-path', sys.argv[1]]); "
+        "print('dynamo' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(model_dir)], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr

@@ -34,7 +34,6 @@ EXPECTED = {
     "openengine_sidecar_engine_rpc_duration_seconds": "histogram",
     "openengine_sidecar_worker_state": "gauge",
     "openengine_sidecar_requests_in_state": "gauge",
-    "openengine_sidecar_requests_terminal": "counter",
     "openengine_sidecar_lifecycles_abandoned": "counter",
     "openengine_sidecar_engine_reconnects": "counter",
     "openengine_sidecar_health_transitions": "counter",
@@ -56,6 +55,10 @@ BOUNDED_LABELS = {
     "reason",
     "machine",
     "le",
+    # Dynamo's identity labels, on every sample (their values are the worker's configuration).
+    "dynamo_namespace",
+    "dynamo_component",
+    "dynamo_endpoint",
 }
 
 
@@ -80,7 +83,7 @@ def test_every_family_is_exported_with_prometheus_conventions() -> None:
         if line.startswith("#"):
             continue
         name = line.split("{")[0].split(" ")[0]
-        assert name.startswith("openengine_sidecar_"), line
+        assert name.startswith(("openengine_sidecar_", metrics.DYNAMO_TOTAL_BLOCKS, metrics.DYNAMO_CACHE_USAGE)), line
         assert not name.endswith("_created"), line  # disabled: noise on Dynamo's page
     for family in text_string_to_metric_families(text):
         if family.name not in EXPECTED:
@@ -105,14 +108,60 @@ def test_labels_are_bounded_and_never_request_ids() -> None:
 
 def test_request_states_come_from_the_machine_counts() -> None:
     before = sample("openengine_sidecar_requests_in_state", state="submitted")
-    finished = sample("openengine_sidecar_requests_terminal_total", state="finished")
     request = RequestLifecycle("collector")
     request.fire("submit")
     assert sample("openengine_sidecar_requests_in_state", state="submitted") == before + 1
     request.fire("finish")
     assert sample("openengine_sidecar_requests_in_state", state="submitted") == before
-    assert sample("openengine_sidecar_requests_terminal_total", state="finished") == finished + 1
-    assert sample("openengine_sidecar_requests_terminal_total", state="finished") == REQUEST.counts()["finished"]
+
+
+def test_terminal_outcomes_are_exported_once() -> None:
+    """Terminal request states are counted by requests_ended_total{outcome} alone: no second family repeats them."""
+    found = families()
+    assert "openengine_sidecar_requests_terminal" not in found
+    in_state = {
+        s.labels["state"]
+        for f in text_string_to_metric_families(metrics.exposition())
+        if f.name == "openengine_sidecar_requests_in_state"
+        for s in f.samples
+    }
+    assert in_state == set(REQUEST.states) - set(REQUEST.terminal)
+    ended = {
+        s.labels["outcome"]
+        for f in text_string_to_metric_families(metrics.exposition())
+        if f.name == "openengine_sidecar_requests_ended"
+        for s in f.samples
+    }
+    assert ended == set(REQUEST.terminal)
+
+
+def test_every_sample_carries_dynamos_labels() -> None:
+    saved = metrics.dynamo_labels()
+    metrics.set_dynamo_labels("ns-a", "prefill", "generate")
+    try:
+        for family in text_string_to_metric_families(metrics.exposition()):
+            for s in family.samples:
+                assert s.labels["dynamo_namespace"] == "ns-a", s
+                assert s.labels["dynamo_component"] == "prefill", s
+                assert s.labels["dynamo_endpoint"] == "generate", s
+        for name, _, _, _, typed in metrics.typed_families():
+            for _, labels, _, _ in typed:
+                assert ("dynamo_namespace", "ns-a") in labels, name
+    finally:
+        metrics.set_dynamo_labels(*saved.values())
+
+
+def test_kv_usage_is_exported_under_dynamos_worker_names() -> None:
+    from sidecar.kv._metrics import RANK_KV_BLOCKS
+
+    labels = metrics.dynamo_labels()
+    metrics.set_dynamo_labels(labels["dynamo_namespace"], labels["dynamo_component"], labels["dynamo_endpoint"], "tiny")
+    RANK_KV_BLOCKS.labels(rank="3", kind="used").set(25)
+    RANK_KV_BLOCKS.labels(rank="3", kind="total").set(100)
+    assert sample(metrics.DYNAMO_TOTAL_BLOCKS, dp_rank="3", model="tiny") == 100
+    assert sample(metrics.DYNAMO_CACHE_USAGE, dp_rank="3", model="tiny") == 0.25
+    kinds = families()
+    assert kinds[metrics.DYNAMO_TOTAL_BLOCKS] == kinds[metrics.DYNAMO_CACHE_USAGE] == "gauge"
 
 
 def test_a_request_records_tokens_ttft_itl_and_its_generate_rpc_once() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from functools import partial
 from typing import TYPE_CHECKING
 
 import httpx
@@ -118,7 +119,6 @@ async def _metrics_feed_cli_and_logs(dynamo_env: DynamoEnv, frontend: Frontend) 
                 return after[(name, labels)] - before.get((name, labels), 0.0)
 
             assert delta("openengine_sidecar_requests_ended_total", ("outcome", "finished")) == 2
-            assert delta("openengine_sidecar_requests_terminal_total", ("state", "finished")) == 2
             assert delta("openengine_sidecar_time_to_first_token_seconds_count") == 2
             assert delta("openengine_sidecar_output_tokens_total") > 2
             assert delta("openengine_sidecar_input_tokens_total") > 2
@@ -126,7 +126,7 @@ async def _metrics_feed_cli_and_logs(dynamo_env: DynamoEnv, frontend: Frontend) 
             assert delta("openengine_sidecar_engine_rpc_duration_seconds_count", *generate_ok) == 2
             assert after[("openengine_sidecar_worker_state", (("state", "serving"),))] == 1
 
-            finished = ("openengine_sidecar_requests_terminal_total", (("state", "finished"),))
+            finished = ("openengine_sidecar_requests_ended_total", (("outcome", "finished"),))
             status = await run_cli("status", "--ops-url", f"ws://127.0.0.1:{port}/ws", "--json")
             assert json.loads(status)["counts"]["request"]["finished"] == after[finished]
             watched = await run_cli("watch", "--ops-url", f"ws://127.0.0.1:{port}/ws", "--duration-secs", "1")
@@ -135,9 +135,17 @@ async def _metrics_feed_cli_and_logs(dynamo_env: DynamoEnv, frontend: Frontend) 
             probe = await run_cli("probe", "--grpc-endpoint", engine.address)
             assert "READY" in probe
 
-        lines = [line for line in worker.process.log().splitlines() if line.startswith("{")]
-        ours = [json.loads(line) for line in lines]
+        log = worker.process.log()
+        assert "\x1b[" not in log, "colour codes in a log that is not a terminal"
+        # --log-format json: every line is JSON, Dynamo's own (DYN_LOGGING_JSONL: `target`, `message`) and ours.
+        records = [json.loads(line) for line in log.splitlines() if line.strip()]
+        ours = [record for record in records if "logger" in record]
+        dynamos = [record for record in records if "target" in record]
         assert ours, "no JSON log lines"
+        assert dynamos, "none of Dynamo's lines"
+        assert len(ours) + len(dynamos) == len(records)
+        # --log-level debug, yet no line of the HTTP/2 wire loggers (they stay at WARNING unless named).
+        assert not [r for r in ours if r["logger"].split(".")[0] in ("hpack", "h2", "grpclib")]
         assert all("worker_state" in line and "request_id" in line for line in ours)
         with_id = {line["request_id"] for line in ours if line["request_id"]}
         assert set(seen) <= with_id  # --log-level debug logs every request with its id
@@ -163,3 +171,37 @@ async def test_probe_fails_for_an_engine_that_is_not_there() -> None:
         )
     assert result.returncode == 1
     assert b"UNAVAILABLE" in result.stderr or b"no answer" in result.stderr
+
+
+async def test_an_engine_killed_under_load_is_one_line_per_request_never_a_traceback(
+    dynamo_env: DynamoEnv, frontend: Frontend
+) -> None:
+    """8 requests in flight when the engine dies: each is one line of ours and one of Dynamo's (the exception it
+    hands the frontend), and not one traceback (there were 32 chained ones)."""
+    from tests.faults._client import stream_completion
+
+    with trio.fail_after(TIMEOUT):
+        async with (
+            start_engine(dynamo_env, "--decode-ms-per-token", "20", "--kv-events", "disabled", port=free_port())
+            as engine,
+            start_sidecar(
+                dynamo_env, engine.address, "--health-poll-interval-secs", "0.2", "--health-failure-threshold", "2"
+            ) as worker,
+        ):  # fmt: skip
+            await wait_routable(frontend.url, workers=1, timeout=60)
+            async with trio.open_nursery() as nursery:
+                for _ in range(8):
+                    nursery.start_soon(partial(stream_completion, frontend.url, "The river", max_tokens=400))
+                with trio.fail_after(20):
+                    while worker.process.log().count("request received") < 9:  # the warm-up and our 8
+                        await trio.sleep(0.05)
+                await trio.sleep(0.5)
+                engine.process.proc.kill()
+            await worker.process.wait_for_log(r"serving -> reconnecting", timeout=20)
+            await trio.sleep(1.0)
+            log = worker.process.log()
+    assert "Traceback" not in log, log
+    ours = [line for line in log.splitlines() if "sidecar.requests" in line and "Connection lost" in line]
+    dynamos = [line for line in log.splitlines() if line.startswith("dynamo._core.")]
+    assert len(ours) == 8, "\n".join(ours)
+    assert len(dynamos) <= 8, "\n".join(dynamos)
