@@ -100,7 +100,8 @@ class RestoreReport:
     recreated: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
-    def describe(self, entries: Iterable[Entry]) -> str:
+    @staticmethod
+    def describe(entries: Iterable[Entry]) -> str:
         return ", ".join(entry.what for entry in entries)
 
 

@@ -486,6 +486,9 @@ class DynamoWorker:
         for entry in entries:
             self._tracked[entry.path] = entry
         await self._hold()
+        logger.info(
+            "dynamo: watching our discovery entries of %s: %s", entries[0].owner, RestoreReport.describe(entries)
+        )
 
     async def _hold(self) -> None:
         """Hold the bucket directories of what we publish now, to tell later whether they were deleted."""

@@ -1,7 +1,7 @@
 """Registration stays whole after any loss in file discovery (issue 16 item 1), through a KV-router frontend.
 
 Two ``openengine-mock`` engines with gRPC KV events and LoRA, two sidecar workers (``--registration-check-interval-
-secs`` 1, adapter ``tiny-lora-a`` loaded on each), one frontend with ``--router-mode kv``. A long prompt warms one
+secs`` 2, adapter ``tiny-lora-a`` loaded on each), one frontend with ``--router-mode kv``. A long prompt warms one
 worker's cache. Then a kind of discovery entry is deleted the way an operator or a cleanup job would, and:
 
 * every file the workers had published is back, byte for byte the same names, within 2 × the check interval;
@@ -44,10 +44,12 @@ from tests.helpers.stack import (
 
 pytestmark = pytest.mark.e2e
 
-INTERVAL = 1.0
+INTERVAL = 2.0
 LORA = "tiny-lora-a"
-ENGINE_FLAGS = ("--speedup", "0", "--kv-events", "grpc", "--capability", "lora=true")
+ENGINE_FLAGS = ("--speedup", "0", "--kv-events", "grpc", "--kv-snapshot", "--capability", "lora=true")
 RESTORED = r"registration disappeared; publishing it again: restored"
+# The worker found its KV publisher's entries: a loss from now on is noticed.
+WATCHING = r"watching our discovery entries of kv-events rank 0: KV event source \(rank 0\)"
 
 
 @dataclass
@@ -131,7 +133,7 @@ async def kv_stack(denv: DynamoEnv, lora_root: Path, *, interval: float = INTERV
             flags = ("--registration-check-interval-secs", str(interval), "--lora-root", str(lora_root))
             workers.append(await stack.enter_async_context(start_sidecar(denv, engine.address, *flags, name=f"w{i}")))
         for worker in workers:
-            await worker.process.wait_for_log(r"KV events on \(block size 16\): rank 0 via SubscribeKvEvents", 10)
+            await worker.process.wait_for_log(WATCHING, 20)
             await load_lora(worker, lora_root)
         await wait_routable(frontend.url, workers=2)
         try:
@@ -271,7 +273,7 @@ async def one_worker(denv: DynamoEnv, interval: float) -> AsyncIterator[tuple[Fr
         start_engine(denv, *ENGINE_FLAGS) as engine,
         start_sidecar(denv, engine.address, "--registration-check-interval-secs", str(interval)) as worker,
     ):
-        await worker.process.wait_for_log(r"KV events on \(block size 16\)", 10)
+        await worker.process.wait_for_log(WATCHING, 20)
         await wait_routable(frontend.url, workers=1)
         try:
             yield frontend, worker

@@ -102,7 +102,7 @@ async def test_the_repro_leaves_dynamos_indexer_without_warnings(
     monkeypatch.setenv("HOME", str(tmp_path))
     with trio.fail_after(240):
         async with (
-            start_mock("--total-kv-blocks", str(total_blocks), "--kv-events", "grpc") as mock,
+            start_mock("--total-kv-blocks", str(total_blocks), "--kv-events", "grpc", "--kv-snapshot") as mock,
             open_edge() as edge,
             open_engine_client(edge, EngineClientConfig(endpoint=mock.endpoint, connections=2)) as client,
         ):
