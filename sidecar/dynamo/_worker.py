@@ -337,7 +337,6 @@ class DynamoWorker:
     async def missing_entries(self, *, include_instance: bool = False) -> list[Entry]:
         """File discovery: every entry we published whose file is gone or expired (older than the 10 s TTL)."""
         expected = [*self._api_entries(include_instance), *self._tracked.values()]
-
         return await trio.to_thread.run_sync(lambda: [entry for entry in expected if not fresh(entry.path)])
 
     async def _restore(self, entry: Entry) -> None:
