@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from sidecar.config import SidecarConfig
-    from sidecar.dynamo import DynamoWorker, Registration
+    from sidecar.dynamo import DynamoWorker, Registration, RestoreReport
     from sidecar.engine import EngineClient
     from statemachines import WorkerEvent, WorkerState
 
@@ -61,6 +61,9 @@ log: Final = logging.getLogger("sidecar.worker")
 _STRAGGLER_GRACE_S: Final = 5.0
 # Health RPC failures that mean "the engine is not there" (restart, crash) rather than "the engine is unwell".
 _ENGINE_GONE_CODES: Final = frozenset({GrpcCode.UNAVAILABLE, GrpcCode.DEADLINE_EXCEEDED})
+# Registration checks in a row that could not restore what discovery lost before the worker exits 1 (60 s at the
+# default 5 s interval): out of routing that long, only a fresh process (or its refusal to start) can tell more.
+_REGISTRATION_GIVE_UP_CHECKS: Final = 12
 
 
 def _observe_worker(model: WorkerLifecycle, event: WorkerEvent, source: WorkerState, dest: WorkerState) -> None:
@@ -135,6 +138,8 @@ class Worker:
         # readiness switch, set on every transition (see sidecar.ops.health).
         self._startup_port: StartupPort | None = None
         self._set_ready: Callable[[bool], None] | None = None
+        # Set while the registration watchdog keeps the worker out of serving (an entry it cannot restore).
+        self._registration_lost = False
 
     async def watch_signals(self) -> None:
         """First SIGTERM/SIGINT drains; a second one skips waiting for in-flight requests."""
@@ -386,7 +391,7 @@ class Worker:
             state = bp_enum(response.state)
             if state is HealthState.READY:
                 failures = 0
-                if self.lifecycle.state == "degraded":
+                if self.lifecycle.state == "degraded" and not self._registration_lost:
                     await self._recover(client, dynamo)
                 continue
             failures += 1
@@ -592,15 +597,51 @@ class Worker:
                     await self._recover(client, dynamo)
 
     async def _watch_registration(self, dynamo: DynamoWorker) -> None:
-        """File discovery never restores an expired or deleted entry by itself: put ours back when it goes."""
+        """File discovery never restores a lost entry by itself: every check puts back each one we published.
+
+        What cannot be put back takes the worker out of serving (degraded, withdrawn from routing: one line) until a
+        later check restores everything; after :data:`_REGISTRATION_GIVE_UP_CHECKS` failed checks in a row the worker
+        exits 1 so that its supervisor starts a fresh one. A lost lease (etcd) ends it at once (ControlPlaneLost).
+        """
+        interval = self.config.registration_check_interval_s
+        failed_checks = 0
         while True:
-            await trio.sleep(self.config.registration_check_interval_s)
-            if self.lifecycle.state != "serving":
+            await trio.sleep(interval)
+            state = self.lifecycle.state
+            if state != "serving" and not (state == "degraded" and self._registration_lost):
                 continue
-            if not await dynamo.registration_present():
-                log.warning("our discovery registration disappeared; publishing it again")
-                metrics.REGISTRATION_RESTORES.inc()
-                await dynamo.republish()
+            report = await dynamo.republish(restore_instance=self._registration_lost)
+            metrics.REGISTRATION_RESTORES.inc(len(report.restored))
+            metrics.REGISTRATION_RESTORE_FAILURES.inc(len(report.failed))
+            if not report.failed:
+                failed_checks = 0
+                if report.lost:
+                    log.warning("%s", _restored_line(report))
+                if self._registration_lost:
+                    self._registration_lost = False
+                    if self.lifecycle.state == "degraded":
+                        self.lifecycle.fire("recover", reason="discovery registration restored")
+                        self.lifecycle.fire("registered", reason="discovery registration restored")
+                continue
+            failed_checks += 1
+            problem = "; ".join(f"{entry.what}: {why}" for entry, why in report.failed)
+            if self.lifecycle.state == "serving":
+                self._registration_lost = True
+                self.lifecycle.fire("degrade", reason="discovery registration lost and not restored")
+                log.error(
+                    "our discovery registration disappeared and cannot be published again (%s): out of routing, "
+                    "retrying every %gs, exiting after %d failed checks",
+                    problem,
+                    interval,
+                    _REGISTRATION_GIVE_UP_CHECKS,
+                )
+                await _best_effort("withdrawal from routing", dynamo.withdraw(), self.config.grpc_rpc_timeout_s)
+            if failed_checks >= _REGISTRATION_GIVE_UP_CHECKS:
+                reason = f"discovery registration not restored in {failed_checks} checks ({problem})"
+                self.lifecycle.fire("fail", reason=reason)
+                log.error("%s: exiting so that a supervisor starts a fresh worker", reason)
+                self._fatal.set()
+                return
 
     async def _fail_fast(self, dynamo: DynamoWorker) -> None:
         """--exit-on-engine-loss or a refused engine: leave discovery, fail what is in flight, exit 1."""
@@ -663,6 +704,17 @@ class Worker:
                 log.error("drain could not confirm engine quiescence: %s", last)
                 return False
             await trio.sleep(0.1)
+
+
+def _restored_line(report: RestoreReport) -> str:
+    lost, took = report.describe(report.lost), f"{report.seconds * 1000:.0f} ms"
+    line = f"our discovery registration disappeared; publishing it again: restored {lost} in {took}"
+    if report.recreated:
+        line += (
+            f"; the discovery directories {', '.join(report.recreated)} had been deleted: a Dynamo frontend running "
+            "since before keeps watching the deleted ones and sees no worker until it is restarted"
+        )
+    return line
 
 
 async def _best_effort(what: str, step: Awaitable[None], timeout_s: float, *, shield: bool = False) -> None:

@@ -18,6 +18,7 @@ from ._types import Registration as Registration
 from ._types import RequestContext as RequestContext
 from ._types import RequestHandler as RequestHandler
 from ._worker import DynamoWorker as DynamoWorker
+from ._worker import RestoreReport as RestoreReport
 from ._worker import file_discovery_keys as file_discovery_keys
 from ._worker import lora_card_key as lora_card_key
 from ._worker import lora_slug as lora_slug
@@ -35,6 +36,7 @@ __all__ = [
     "Registration",
     "RequestContext",
     "RequestHandler",
+    "RestoreReport",
     "file_discovery_keys",
     "lora_card_key",
     "lora_slug",

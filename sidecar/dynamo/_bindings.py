@@ -42,6 +42,7 @@ __all__ = [
     "export_metrics",
     "register",
     "restore",
+    "restore_endpoint",
     "serve_endpoint",
     "set_health",
     "shutdown",
@@ -218,6 +219,12 @@ async def withdraw(endpoint: Endpoint) -> None:
 
 async def restore(endpoint: Endpoint) -> None:
     await endpoint.register_endpoint_instance()
+
+
+async def restore_endpoint(runtime: DistributedRuntime, path: str) -> None:
+    """Write the discovery instance of our endpoint ``path`` (``ns.component.name``) again: the same entry its
+    ``serve_endpoint`` (or a KV publisher's recovery endpoint) wrote, as the runtime still serves it."""
+    await runtime.endpoint(path).register_endpoint_instance()
 
 
 async def serve_endpoint(

@@ -17,6 +17,9 @@ Binding facts (ai-dynamo-runtime 1.6.1, checked against the installed ``_core.py
   (a restarted frontend); the model card advertises it (``ModelRuntimeConfig.enable_local_indexer``).
 * ``WorkerMetricsPublisher.publish(dp_rank, kv_used_blocks=…)`` refuses a call without any figure ("requires at
   least one load metric"): load that is not known is simply not published.
+* Each publisher writes discovery entries (file discovery: its event channel, the KV publisher also its event source
+  and its recovery endpoint's instance) that the runtime never re-creates when they are lost: the worker's
+  registration watchdog watches and restores them (``DynamoWorker.track_*``, ``_entries.py``) until the sink closes.
 """
 
 from __future__ import annotations
@@ -42,9 +45,13 @@ logger: Final = logging.getLogger("sidecar.dynamo")
 class KvEventSink:
     """One rank's ``KvEventPublisher``. ``publish`` takes Dynamo's ``publish_batch`` dicts; ``close`` shuts it down."""
 
-    def __init__(self, edge: Edge, publisher: KvEventPublisher, rank: int, relay: str | None) -> None:
+    def __init__(
+        self, edge: Edge, publisher: KvEventPublisher, rank: int, relay: str | None, dynamo: DynamoWorker, owner: str
+    ) -> None:
         self._edge = edge
         self._publisher = publisher
+        self._dynamo = dynamo
+        self._owner = owner
         self._closed = False
         self.rank = rank
         #: The engine's ZMQ endpoint Dynamo subscribes to, or ``None`` when events are pushed through :meth:`publish`.
@@ -59,6 +66,8 @@ class KvEventSink:
         """Stop the publisher's background tasks (and the ZMQ listener of a relay). Idempotent."""
         if not self._closed:
             self._closed = True
+            # First: the runtime removes the entries now, which must not look like a loss to restore.
+            self._dynamo.untrack(self._owner)
             await self._edge.run(_shutdown, self._publisher)
 
 
@@ -86,13 +95,16 @@ async def open_kv_event_sink(
     """Create rank ``rank``'s publisher on the edge loop (with a ZMQ relay when ``zmq_endpoint`` is given)."""
     edge = dynamo._edge
     publisher = await edge.run(_create_kv_publisher, dynamo._endpoint, rank, kv_block_size, zmq_endpoint, zmq_topic)
-    return KvEventSink(edge, publisher, rank, zmq_endpoint)
+    owner = await dynamo.track_kv_publisher(rank)
+    return KvEventSink(edge, publisher, rank, zmq_endpoint, dynamo, owner)
 
 
 async def open_load_sink(dynamo: DynamoWorker) -> LoadSink:
     """Create the metrics publisher and its event-plane endpoint on the edge loop."""
     edge = dynamo._edge
+    before = await dynamo.kv_metrics_channels()
     publisher = await edge.run(_create_load_publisher, dynamo._endpoint)
+    await dynamo.track_load_publisher(before)
     return LoadSink(edge, publisher)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-import time
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -14,6 +13,18 @@ from urllib.parse import urlsplit
 import trio
 
 from . import _bindings as b
+from ._entries import (
+    Buckets,
+    Entry,
+    RestoreReport,
+    dynamo_key,
+    fresh,
+    instance_key,
+    listening_ports,
+    read_bucket,
+    write_back,
+    zmq_port,
+)
 from ._handler import make_handler
 
 if TYPE_CHECKING:
@@ -29,6 +40,7 @@ __all__ = [
     "CLOSE_TIMEOUT",
     "SERVE_READY_TIMEOUT",
     "DynamoWorker",
+    "RestoreReport",
     "file_discovery_keys",
     "lora_card_key",
     "lora_slug",
@@ -46,8 +58,8 @@ logger: Final = logging.getLogger("sidecar.dynamo")
 CLOSE_TIMEOUT: Final = 10.0
 #: Bound on ``serve()`` waiting for our instance to show up in discovery (observed: ~5 ms with file discovery).
 SERVE_READY_TIMEOUT: Final = 30.0
-#: File discovery's hard-coded lease (``lib/runtime/src/storage/kv/file.rs``): files older than this are expired.
-FILE_TTL: Final = 10.0
+#: Bound on finding the discovery files a publisher or control endpoint wrote (observed: a few ms).
+TRACK_TIMEOUT: Final = 5.0
 _POLL: Final = 0.01
 
 
@@ -67,7 +79,7 @@ def file_discovery_keys(settings: DynamoSettings, instance_id: int, root: Path |
     the mdc file holds the model card. Each is refreshed (mtime) every 3.3 s, expires after 10 s, and is removed on
     a clean shutdown, on ``unregister_endpoint_instance`` / ``unregister_model`` respectively.
     """
-    name = _dynamo_key(f"{settings.namespace}/{settings.component}/{settings.endpoint}/{instance_id:x}")
+    name = dynamo_key(f"{settings.namespace}/{settings.component}/{settings.endpoint}/{instance_id:x}")
     v1 = (root or file_discovery_root()) / "v1"
     return v1 / "instances" / name, v1 / "mdc" / name
 
@@ -75,18 +87,12 @@ def file_discovery_keys(settings: DynamoSettings, instance_id: int, root: Path |
 def lora_card_key(base_card: Path, lora_name: str) -> Path:
     """A LoRA card's file next to the base card's: ``<base key>%2F<slug>``, the slug being Dynamo's (lower case,
     every character but ASCII letters, digits, ``-`` and ``_`` as ``_``; observed with 1.6.1)."""
-    return base_card.with_name(base_card.name + _dynamo_key("/" + lora_slug(lora_name)))
+    return base_card.with_name(base_card.name + dynamo_key("/" + lora_slug(lora_name)))
 
 
 def lora_slug(lora_name: str) -> str:
     """Dynamo's slug of a LoRA name (its card key): two names with one slug would overwrite each other's card."""
     return "".join(c if (c.isascii() and c.isalnum()) or c in "-_" else "_" for c in lora_name.lower())
-
-
-def _dynamo_key(text: str) -> str:
-    """Dynamo's file-store key encoding: every byte but ASCII letters and digits as ``%XX`` (``-`` is ``%2D``,
-    ``_`` is ``%5F``; ``urllib.parse.quote`` would leave those two alone and miss the file)."""
-    return "".join(chr(b) if chr(b).isascii() and chr(b).isalnum() else f"%{b:02X}" for b in text.encode())
 
 
 async def _poll_until(condition: Callable[[], Awaitable[bool]]) -> None:
@@ -117,13 +123,6 @@ async def _etcd_answers() -> bool:
     return False
 
 
-def _fresh(path: Path) -> bool:
-    try:
-        return time.time() - path.stat().st_mtime < FILE_TTL
-    except FileNotFoundError:
-        return False
-
-
 class DynamoWorker:
     """One Dynamo runtime with one endpoint. Every method is called from trio; every Dynamo call runs on the edge.
 
@@ -149,6 +148,11 @@ class DynamoWorker:
         self._clients: dict[str, Any] = {}
         # LoRA cards published next to the base card (names), re-published and removed with it.
         self._loras: set[str] = set()
+        # File discovery: the other files we published (KV event and load channels, event sources, instances of
+        # other endpoints), by path; each restored as its Entry says until its owner untracks it.
+        self._root: Path | None = file_discovery_root() if settings.discovery_backend == "file" else None
+        self._tracked: dict[Path, Entry] = {}
+        self._buckets = Buckets()
 
     @property
     def settings(self) -> DynamoSettings:
@@ -168,6 +172,7 @@ class DynamoWorker:
         """Publish the model card. Idempotent: registering again (same or changed card) rewrites it in place."""
         await self._edge.run(b.register, self._endpoint, reg)
         self._registration = reg
+        await self._hold()
 
     async def register_lora(self, lora_name: str) -> None:
         """Publish a LoRA model card for ``lora_name`` on top of the base card (which must be registered)."""
@@ -222,6 +227,7 @@ class DynamoWorker:
             await edge.run(b.add_engine_route, self._runtime, name, call)
             path = f"{self._settings.namespace}.{self._settings.component}.{name}"
             nursery.start_soon(self._serve_control, path, call)
+            nursery.start_soon(self.track_endpoint, name)
 
     async def _serve_control(self, path: str, call: _Control) -> None:
         # Dynamo passes the request context only to a parameter *named* ``context``; any other name gets a TypeError.
@@ -258,31 +264,236 @@ class DynamoWorker:
         await self._edge.run(b.restore, self._endpoint)
         self._withdrawn = False
 
-    async def republish(self) -> None:
-        """Re-publish what should be in discovery (instance unless withdrawn, card if registered).
+    async def republish(self, *, restore_instance: bool = False) -> RestoreReport:
+        """Put back whatever we published that discovery lost; what was lost, restored and not (with why).
 
         The recovery for a lost registration: file discovery never re-creates an expired or deleted file by itself
-        (``dynamo-runtime.md`` §12.2). While the control plane is unreachable (etcd down) the writes fail, which is
-        logged; the next check tries again. With etcd, a write refused while etcd answers means our lease is gone
-        (etcd restarted without its data): that raises :class:`ControlPlaneLost` at once instead of waiting for
-        Dynamo's keep-alive to give up (~20 s).
+        (``dynamo-runtime.md`` §12.2). With file discovery every entry is checked (see :mod:`._entries` for how each
+        comes back), bucket directories deleted with it are created again first, and each entry is restored on its
+        own: one failure does not stop the others. ``restore_instance`` also puts back a withdrawn instance (the
+        watchdog withdraws it while something cannot be restored, and ends that by restoring everything).
+
+        Other backends: the instance and the cards are published again. While the control plane is unreachable
+        (etcd down) the writes fail and are reported; the next check tries again. With etcd, a write refused while
+        etcd answers means our lease is gone (etcd restarted without its data): that raises
+        :class:`ControlPlaneLost` at once instead of waiting for Dynamo's keep-alive to give up (~20 s).
         """
-        try:
-            if self._serving and not self._withdrawn:
-                await self._edge.run(b.restore, self._endpoint)
-            if self._registration is not None:
-                await self._edge.run(b.register, self._endpoint, self._registration)
-                for lora_name in sorted(self._loras):
-                    await self._edge.run(b.register, self._endpoint, self._registration, lora_name)
-        except Exception as exc:
-            where = b.control_plane(self._settings) or f"{self._settings.discovery_backend} discovery"
-            if self._settings.discovery_backend == "etcd" and await _etcd_answers():
-                self._lost = True
-                raise b.ControlPlaneLost(
-                    f"control plane lost ({where}): etcd answers but refuses our registration, so our lease is gone "
-                    "(etcd restarted without its data?); exiting so a supervisor restarts this worker"
-                ) from None
-            logger.warning("dynamo: re-publishing our registration failed (%s): %s; retrying later", where, exc)
+        if self._lost:
+            raise b.ControlPlaneLost("control plane lost: the Dynamo runtime shut itself down")
+        started = trio.current_time()
+        report = RestoreReport()
+        if self._root is not None:
+            report.lost = await self.missing_entries(include_instance=restore_instance)
+            unmade: dict[Path, str] = {}
+            if report.lost:
+                buckets = [entry.path.parent for entry in report.lost]
+                report.recreated, unmade = await trio.to_thread.run_sync(self._buckets.ensure, self._root, buckets)
+            for entry in report.lost:
+                if entry.path.parent in unmade:
+                    report.failed.append((entry, unmade[entry.path.parent]))
+                    continue
+                try:
+                    await self._restore(entry)
+                except Exception as exc:
+                    report.failed.append((entry, " ".join(str(exc).split()) or type(exc).__name__))
+                    continue
+                # Dynamo reports success when something else already holds the key (a create-if-absent write).
+                if await trio.to_thread.run_sync(fresh, entry.path):
+                    report.restored.append(entry)
+                else:
+                    report.failed.append((entry, "still not there after writing it: is its path taken?"))
+        elif restore_instance or not await self.registration_present():
+            report.lost = self._api_entries(restore_instance)
+            try:
+                for entry in report.lost:
+                    await self._restore(entry)
+                    report.restored.append(entry)
+            except Exception as exc:
+                where = b.control_plane(self._settings) or f"{self._settings.discovery_backend} discovery"
+                if self._settings.discovery_backend == "etcd" and await _etcd_answers():
+                    self._lost = True
+                    raise b.ControlPlaneLost(
+                        f"control plane lost ({where}): etcd answers but refuses our registration, so our lease is "
+                        "gone (etcd restarted without its data?); exiting so a supervisor restarts this worker"
+                    ) from None
+                done = len(report.restored)
+                report.failed = [(entry, f"{where}: {exc}") for entry in report.lost[done:]]
+        report.seconds = trio.current_time() - started
+        return report
+
+    def _api_entries(self, restore_instance: bool) -> list[Entry]:
+        """What Dynamo's own calls publish: the instance (unless withdrawn), the base card, the LoRA cards."""
+        root = self._root or Path()
+        instance, card = file_discovery_keys(self._settings, self._instance_id, root)
+        entries: list[Entry] = []
+        if self._serving and (restore_instance or not self._withdrawn):
+            entries.append(Entry("instance", instance, f"instance {self._settings.endpoint}"))
+        if self._registration is not None:
+            entries.append(Entry("card", card, f"model card {self._registration.served_model_name!r}"))
+            for name in sorted(self._loras):
+                entries.append(Entry("lora_card", lora_card_key(card, name), f"LoRA card {name!r}", lora=name))
+        return entries
+
+    async def missing_entries(self, *, include_instance: bool = False) -> list[Entry]:
+        """File discovery: every entry we published whose file is gone or expired (older than the 10 s TTL)."""
+        expected = [*self._api_entries(include_instance), *self._tracked.values()]
+        return await trio.to_thread.run_sync(lambda: [entry for entry in expected if not fresh(entry.path)])
+
+    async def _restore(self, entry: Entry) -> None:
+        if entry.kind == "instance" and entry.endpoint is None:
+            await self._edge.run(b.restore, self._endpoint)
+            self._withdrawn = False
+        elif entry.kind == "card":
+            assert self._registration is not None
+            await self._edge.run(b.register, self._endpoint, self._registration)
+        elif entry.kind == "lora_card":
+            assert self._registration is not None
+            await self._edge.run(b.register, self._endpoint, self._registration, entry.lora)
+        elif entry.endpoint is not None:
+            await self._edge.run(b.restore_endpoint, self._runtime, entry.endpoint)
+        else:
+            assert entry.data is not None
+            await trio.to_thread.run_sync(write_back, entry.path, entry.data)
+
+    # -- what else we published (file discovery) ----------------------------------------------------------------
+
+    def untrack(self, owner: str) -> None:
+        """Stop expecting ``owner``'s entries (its publisher is closing: the runtime removes them)."""
+        for path in [path for path, entry in self._tracked.items() if entry.owner == owner]:
+            del self._tracked[path]
+
+    async def track_kv_publisher(self, rank: int) -> str:
+        """Find and remember the files a new ``KvEventPublisher`` of ``rank`` wrote: its event source (which names
+        it by worker id and rank), its event channel (keyed by the same publisher id) and its recovery target's
+        instance. Returns the owner tag for :meth:`untrack`. A no-op except with file discovery."""
+        owner = f"kv-events rank {rank}"
+        root = self._root
+        if root is None:
+            return owner
+        iid = self._instance_id
+        tracked = set(self._tracked)
+
+        def find() -> list[Entry] | None:
+            for path, (data, source) in read_bucket(root / "v1" / "event_sources").items():
+                metadata = source.get("metadata") or {}
+                worker = metadata.get("worker") or {}
+                if path in tracked or worker.get("worker_id") != iid or worker.get("dp_rank", 0) != rank:
+                    continue
+                entries = [Entry("event_source", path, f"KV event source (rank {rank})", owner, data=data)]
+                for channel, (channel_data, value) in read_bucket(root / "v1" / "event_channels").items():
+                    if value.get("topic") == "kv-events" and value.get("instance_id") == source.get("publisher_id"):
+                        what = f"KV event channel (rank {rank})"
+                        entries.append(Entry("event_channel", channel, what, owner, data=channel_data))
+                target = metadata.get("recovery_target") or {}
+                ns, component, name = target.get("namespace"), target.get("component"), target.get("endpoint")
+                if isinstance(ns, str) and isinstance(component, str) and isinstance(name, str):
+                    key = instance_key(root, ns, component, name, iid)
+                    if key.exists():
+                        what = f"KV recovery endpoint (rank {rank})"
+                        entries.append(Entry("instance", key, what, owner, endpoint=f"{ns}.{component}.{name}"))
+                # All three are written while the publisher starts; until then, look again.
+                return entries if len(entries) == 3 else None
+            return None
+
+        entries = await self._find(find)
+        if entries is None:
+            logger.warning(
+                "dynamo: the discovery files of rank %d's KV event publisher were not found: their loss "
+                "would go unnoticed",
+                rank,
+            )
+        else:
+            await self._track(entries)
+        return owner
+
+    async def kv_metrics_channels(self) -> set[Path]:
+        """The load (``kv_metrics``) event channels of our endpoint now: what :meth:`track_load_publisher` compares."""
+        root = self._root
+        if root is None:
+            return set()
+        return await trio.to_thread.run_sync(lambda: set(self._load_channels(root)))
+
+    async def track_load_publisher(self, before: set[Path]) -> str:
+        """Remember the ``kv_metrics`` channel ``WorkerMetricsPublisher.create_endpoint`` wrote. It carries no id of
+        ours: it is the one that appeared during the call, and the one whose ZMQ port this process listens on."""
+        owner = "load"
+        root = self._root
+        if root is None:
+            return owner
+        skip = before | set(self._tracked)
+
+        def find() -> list[Entry] | None:
+            ports = listening_ports()
+            new = [
+                (path, data)
+                for path, (data, value) in self._load_channels(root).items()
+                if path not in skip and (ports is None or zmq_port(value) in (*ports, None))
+            ]
+            if len(new) != 1:
+                return None
+            [(path, data)] = new
+            return [Entry("event_channel", path, "load (kv_metrics) channel", owner, data=data)]
+
+        entries = await self._find(find)
+        if entries is None:
+            logger.warning("dynamo: our load (kv_metrics) channel was not found for sure: its loss would go unnoticed")
+        else:
+            await self._track(entries)
+        return owner
+
+    async def track_endpoint(self, name: str) -> None:
+        """Remember the instance of our endpoint ``name`` (a control endpoint) once ``serve_endpoint`` wrote it."""
+        root = self._root
+        if root is None:
+            return
+        ns, component = self._settings.namespace, self._settings.component
+        key = instance_key(root, ns, component, name, self._instance_id)
+
+        def find() -> list[Entry] | None:
+            if not key.exists():
+                return None
+            return [Entry("instance", key, f"instance {name}", f"endpoint {name}", endpoint=f"{ns}.{component}.{name}")]
+
+        entries = await self._find(find)
+        if entries is None:
+            logger.warning("dynamo: the instance of endpoint %s did not appear: its loss would go unnoticed", name)
+        else:
+            await self._track(entries)
+
+    def _load_channels(self, root: Path) -> dict[Path, tuple[bytes, dict[str, Any]]]:
+        scope = {
+            "namespace": self._settings.namespace,
+            "component": self._settings.component,
+            "name": self._settings.endpoint,
+        }
+        return {
+            path: (data, value)
+            for path, (data, value) in read_bucket(root / "v1" / "event_channels").items()
+            if value.get("topic") == "kv_metrics" and (value.get("scope") or {}).get("endpoint") == scope
+        }
+
+    async def _find(self, find: Callable[[], list[Entry] | None]) -> list[Entry] | None:
+        with trio.move_on_after(TRACK_TIMEOUT):
+            while True:
+                entries = await trio.to_thread.run_sync(find)
+                if entries is not None:
+                    return entries
+                await trio.sleep(_POLL)
+        return None
+
+    async def _track(self, entries: list[Entry]) -> None:
+        for entry in entries:
+            self._tracked[entry.path] = entry
+        await self._hold()
+        logger.info(
+            "dynamo: watching our discovery entries of %s: %s", entries[0].owner, RestoreReport.describe(entries)
+        )
+
+    async def _hold(self) -> None:
+        """Hold the bucket directories of what we publish now, to tell later whether they were deleted."""
+        if self._root is not None:
+            buckets = {entry.path.parent for entry in [*self._api_entries(False), *self._tracked.values()]}
+            await trio.to_thread.run_sync(self._buckets.hold, buckets)
 
     async def serve(
         self, nursery: trio.Nursery, handler: RequestHandler, *, health_check_payload: dict[str, Any] | None = None
@@ -294,6 +505,9 @@ class DynamoWorker:
             raise RuntimeError("already serving")
         self._serving = True
         await nursery.start(self._serve, nursery, handler, health_check_payload)
+        await self._hold()
+        # The id names every discovery entry of this worker: an operator finds them (and a test picks them) by it.
+        logger.info("dynamo: serving %s as instance %x", self._settings.endpoint_path, self._instance_id)
 
     async def _serve(
         self,
@@ -372,25 +586,20 @@ class DynamoWorker:
     async def registration_present(self) -> bool:
         """Best effort: is everything we publish still in discovery?
 
-        "Everything" = the instance (while serving and not withdrawn) and the model card (while registered). With
-        file discovery this reads the files (see :func:`file_discovery_keys`); a file older than the 10 s TTL counts
-        as lost. With other backends only the instance is checked, through a discovery-watching client.
+        File discovery: every entry (:meth:`missing_entries`): the instance (while serving and not withdrawn), the
+        model cards (while registered), and the other files we wrote (KV event and load channels, event sources,
+        instances of our other endpoints). A file older than the 10 s TTL counts as lost.
 
-        etcd: our keys live on the runtime's lease, so they go only when the lease goes (and then the runtime shuts
-        itself down: :class:`ControlPlaneLost`, raised here too) or when someone deletes them (republish helps).
-        While etcd is unreachable the watching client keeps its last view, so an outage alone never looks like a
-        lost registration; a view that cannot be read counts as present (nothing to republish into).
+        Other backends: only the instance is checked, through a discovery-watching client. etcd: our keys live on
+        the runtime's lease, so they go only when the lease goes (and then the runtime shuts itself down:
+        :class:`ControlPlaneLost`, raised here too) or when someone deletes them (republish helps). While etcd is
+        unreachable the watching client keeps its last view, so an outage alone never looks like a lost
+        registration; a view that cannot be read counts as present (nothing to republish into).
         """
         if self._lost:
             raise b.ControlPlaneLost("control plane lost: the Dynamo runtime shut itself down")
-        if self._settings.discovery_backend == "file":
-            instance, card = file_discovery_keys(self._settings, self._instance_id)
-            if self._serving and not self._withdrawn and not await trio.to_thread.run_sync(_fresh, instance):
-                return False
-            if self._registration is None:
-                return True
-            cards = [card, *(lora_card_key(card, name) for name in self._loras)]
-            return await trio.to_thread.run_sync(lambda: all(map(_fresh, cards)))
+        if self._root is not None:
+            return not await self.missing_entries()
         if self._serving and not self._withdrawn:
             try:
                 return await self._instance_listed()
@@ -405,6 +614,7 @@ class DynamoWorker:
         return self._instance_id in await self._edge.run(b.instance_ids, self._endpoint, self._clients)
 
     async def _close(self) -> None:
+        self._buckets.close()
         await self._send_shutdown()
         if self._serving:
             await self._served.wait()

@@ -54,6 +54,7 @@ __all__ = [
     "PROTOCOL_VIOLATIONS",
     "RECONNECTS",
     "REGISTRATION_RESTORES",
+    "REGISTRATION_RESTORE_FAILURES",
     "REGISTRY",
     "REQUESTS_ENDED",
     "REQUESTS_RECEIVED",
@@ -158,7 +159,13 @@ HEALTH_TRANSITIONS: Final = Counter(
 )
 REGISTRATION_RESTORES: Final = Counter(
     f"{PREFIX}_registration_restores",
-    "Times the worker re-published its discovery registration after finding it gone",
+    "Discovery entries (instances, model cards, KV event and load channels, event sources) the worker found lost "
+    "and published again",
+    registry=REGISTRY,
+)
+REGISTRATION_RESTORE_FAILURES: Final = Counter(
+    f"{PREFIX}_registration_restore_failures",
+    "Attempts to publish a lost discovery entry again that failed (each entry, each check)",
     registry=REGISTRY,
 )
 LORA_ADAPTERS: Final = Gauge(

@@ -9,7 +9,14 @@ a prefix share the hashes of the full blocks of that prefix. Every block is in e
 * **free** — empty, never registered (or reset): handed out first;
 * **in use** — ``ref_count > 0``: pinned by one or more requests (shared prefix blocks have several references);
 * **evictable** — registered (hashed, reusable) but unreferenced: kept in LRU order and reused by a later prefix hit,
-  or evicted (oldest first) when the free list is empty.
+  or evicted when the free list is empty: the oldest block **that no registered block names as its parent**.
+
+Eviction works from the leaves, as TensorRT-LLM's KV cache manager does (a block of its radix tree is evictable only
+while no child references it): a parent is never removed before its children, so a consumer that keeps the blocks as
+a tree (Dynamo's radix-tree indexer) never sees a removal for a block it already dropped with its parent. A request
+that computes a block already registered (the same prompt and seed again, or two identical prompts in flight) shares
+the registered block — pinned like a prefix hit — instead of keeping a copy, so the parent of its next blocks cannot
+be evicted under it either.
 
 Admission follows TensorRT-LLM's default ``GUARANTEED_NO_EVICT`` policy: a request is admitted only when every block
 it could ever need (prompt + ``max_tokens`` for each output) can be *reserved*; afterwards it takes physical blocks from
@@ -143,6 +150,10 @@ class BlockPool:
         self._free: collections.deque[Block] = collections.deque(self._blocks)
         self._evictable: collections.OrderedDict[int, Block] = collections.OrderedDict()  # block_id → block, LRU first
         self._by_hash: dict[int, Block] = {}
+        # parent hash → hashes of its registered children: a block with children is not evictable.
+        self._children: dict[int, set[int]] = {}
+        # block_id → the allocation holding it (blocks taken from a reservation), for sharing a duplicate.
+        self._holder: dict[int, Allocation] = {}
         self._reserved = 0
         self._listeners: list[Callable[[KvEvent], None]] = []
         #: The most recent events, oldest first (bounded); a KV-event stream can replay from here.
@@ -168,8 +179,9 @@ class BlockPool:
     def snapshot(self) -> list[BlockStored]:
         """Every registered block as a :class:`BlockStored`, each parent before its children (a KV-event snapshot).
 
-        A block whose parent is no longer registered (evicted before it) starts a chain of its own; its
-        ``parent_hash`` still names the evicted parent, exactly as its live ``BlockStored`` did.
+        A block whose parent is not registered (a parent registered after it, which eviction from the leaves never
+        allows, or none) starts a chain of its own; its ``parent_hash`` still names that parent, exactly as its live
+        ``BlockStored`` did.
         """
         children: dict[int | None, list[Block]] = collections.defaultdict(list)
         for block in self._by_hash.values():
@@ -233,14 +245,25 @@ class BlockPool:
         token_ids: Sequence[int],
         lora_name: str | None = None,
     ) -> bool:
-        """Make a full block reusable under ``block_hash_``; ``False`` if that hash is already registered."""
-        if block.block_hash is not None or block_hash_ in self._by_hash:
+        """Make a full block reusable under ``block_hash_``; ``False`` if that hash is already registered.
+
+        In that case a request holding ``block`` shares the registered block instead (see the module docstring).
+        """
+        if block.block_hash is not None:
+            return False
+        existing = self._by_hash.get(block_hash_)
+        if existing is not None:
+            holder = self._holder.get(block.block_id)
+            if holder is not None:
+                self._share(holder, block, existing)
             return False
         block.block_hash = block_hash_
         block.parent_hash = parent_hash
         block.token_ids = tuple(token_ids)
         block.lora_name = lora_name
         self._by_hash[block_hash_] = block
+        if parent_hash is not None and parent_hash in self._by_hash:
+            self._children.setdefault(parent_hash, set()).add(block_hash_)
         self._emit(BlockStored(block_hash_, parent_hash, block.token_ids, self.block_size, lora_name))
         return True
 
@@ -252,20 +275,43 @@ class BlockPool:
             self._reserved -= 1
         elif self.available_blocks <= 0:
             raise RuntimeError("KV block pool exhausted beyond the reservation")
-        if self._free:
-            block = self._free.popleft()
-        else:
-            _, block = self._evictable.popitem(last=False)
-            self._unregister(block, announce=True)
+        block = self._free.popleft() if self._free else self._evict()
         block.ref_count = 1
         alloc.blocks.append(block)
+        self._holder[block.block_id] = alloc
         return block
+
+    def _evict(self) -> Block:
+        """Unregister and return the least recently used evictable block that is a leaf (has no registered child).
+
+        There always is one: a request pins its whole chain, so an evictable block's children are evictable too.
+        """
+        for block_id, block in self._evictable.items():
+            if block.block_hash not in self._children:
+                del self._evictable[block_id]
+                self._unregister(block, announce=True)
+                return block
+        raise RuntimeError("no evictable leaf block although blocks are evictable")
+
+    def _share(self, alloc: Allocation, copy: Block, registered: Block) -> None:
+        """``alloc`` computed ``copy``, a duplicate of ``registered``: hold (pin) ``registered`` in its place."""
+        index = len(alloc.blocks) - 1 - alloc.blocks[::-1].index(copy)
+        alloc.blocks[index] = registered
+        if registered.ref_count == 0:
+            del self._evictable[registered.block_id]
+        registered.ref_count += 1
+        del self._holder[copy.block_id]
+        copy.ref_count = 0
+        self._reset(copy)
+        self._free.append(copy)
 
     def _release(self, alloc: Allocation) -> None:
         self._reserved -= alloc.reserved
         alloc.reserved = 0
         # Tail blocks first, so the LRU evicts a sequence's tail before its (more shareable) head.
         for block in reversed(alloc.blocks):
+            if self._holder.get(block.block_id) is alloc:
+                del self._holder[block.block_id]
             block.ref_count -= 1
             if block.ref_count > 0:
                 continue
@@ -279,6 +325,12 @@ class BlockPool:
     def _unregister(self, block: Block, *, announce: bool) -> None:
         if block.block_hash is not None:
             del self._by_hash[block.block_hash]
+            self._children.pop(block.block_hash, None)
+            siblings = self._children.get(block.parent_hash) if block.parent_hash is not None else None
+            if siblings is not None:
+                siblings.discard(block.block_hash)
+                if not siblings:
+                    del self._children[block.parent_hash]  # type: ignore[arg-type]
             if announce:
                 self._emit(BlockRemoved(block.block_hash))
         self._reset(block)
