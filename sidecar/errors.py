@@ -121,7 +121,9 @@ ENGINE_ERROR_KIND: Final[dict[EngineErrorCode, DynamoErrorKind]] = {
     EngineErrorCode.MODEL_NOT_FOUND: DynamoErrorKind.INVALID_ARGUMENT,
     EngineErrorCode.REQUEST_NOT_FOUND: DynamoErrorKind.INVALID_ARGUMENT,
     EngineErrorCode.DUPLICATE_REQUEST: DynamoErrorKind.INVALID_ARGUMENT,
-    EngineErrorCode.KV_SESSION_NOT_FOUND: DynamoErrorKind.INVALID_ARGUMENT,
+    # The client never names a KV session: an expired or already claimed one is the engines' failure (500, like
+    # TensorRT-LLM's plain INTERNAL for it), and replaying the same handoff elsewhere fails again, so not migrated.
+    EngineErrorCode.KV_SESSION_NOT_FOUND: DynamoErrorKind.UNKNOWN,
     # Usually a transceiver both engines lack: the same pair fails again, so not migrated unless flagged.
     EngineErrorCode.KV_TRANSFER_FAILED: DynamoErrorKind.UNKNOWN,
     EngineErrorCode.OVERLOADED: DynamoErrorKind.UNKNOWN,

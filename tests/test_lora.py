@@ -314,6 +314,9 @@ async def test_after_detach_operations_are_refused(root: Path) -> None:
         ("relative/a", "not absolute"),
         ("{root}/../outside", "'..'"),
         ("{root}/link", "outside the LoRA root"),
+        # A sibling whose name extends the root's: inside it by string prefix, outside it as a path.
+        ("{root}-evil/adapter", "outside the LoRA root"),
+        ("{root}/evil-link", "outside the LoRA root"),
         ("{root}/missing", "not a directory"),
         ("{root}/empty", "adapter_config.json"),
         ("{root}/config-link", "adapter_config.json"),
@@ -322,6 +325,8 @@ async def test_after_detach_operations_are_refused(root: Path) -> None:
 def test_resolve_local_adapter_confines_to_the_root(tmp_path: Path, root: Path, given: str, needle: str) -> None:
     outside = adapter_dir(tmp_path, "outside")
     (root / "link").symlink_to(outside)
+    sibling = adapter_dir(root.with_name(f"{root.name}-evil"), "adapter")
+    (root / "evil-link").symlink_to(sibling)
     (root / "empty").mkdir()
     (root / "config-link").mkdir()
     (root / "config-link" / "adapter_config.json").symlink_to(outside / "adapter_config.json")

@@ -24,6 +24,11 @@ def tok(index: int, *ids: int, lp: bool = False) -> Chunk:
     return chunk
 
 
+def no_top(chunk: Chunk) -> Chunk:
+    """``chunk`` with its ``log_probs`` but without ``top_logprobs`` (a token's logprob without candidates)."""
+    return {key: value for key, value in chunk.items() if key != "top_logprobs"}
+
+
 def fin(index: int, *ids: int, reason: str = "length", usage: bool = False, lp: bool = False, **extra: Any) -> Chunk:
     chunk = tok(index, *ids, lp=lp)
     chunk["finish_reason"] = reason
@@ -80,6 +85,16 @@ CASES: list[tuple[str, list[Chunk], list[Chunk]]] = [
         "tokens without logprobs, then with: kept apart",
         [tok(0, 1), tok(0, 2, lp=True)],
         [tok(0, 1), tok(0, 2, lp=True)],
+    ),
+    (
+        "logprobs without top logprobs next to both: kept apart",
+        [no_top(tok(0, 1, lp=True)), tok(0, 2, lp=True)],
+        [no_top(tok(0, 1, lp=True)), tok(0, 2, lp=True)],
+    ),
+    (
+        "both, then logprobs without top logprobs: kept apart",
+        [tok(0, 1, lp=True), no_top(tok(0, 2, lp=True))],
+        [tok(0, 1, lp=True), no_top(tok(0, 2, lp=True))],
     ),
     ("an empty open chunk takes logprobs", [tok(0), tok(0, 2, lp=True)], [tok(0, 2, lp=True)]),
     ("a chunk without token_ids gets them", [{"index": 0, "finish_reason": "stop"}], [fin(0, reason="stop")]),
@@ -146,7 +161,7 @@ def test_merged_chunk_is_a_copy_that_later_merges_extend() -> None:
 
 # ------------------------------------------------------------------------------------------------- properties
 
-_KEYS = st.sampled_from(["plain", "lp", "finish", "finish_lp", "usage"])
+_KEYS = st.sampled_from(["plain", "lp", "lp_no_top", "finish", "finish_lp", "usage"])
 
 
 @st.composite
@@ -161,8 +176,10 @@ def streams(draw: st.DrawFn) -> list[Chunk]:
         ids = list(range(next_id, next_id + count))
         next_id += count
         kind = draw(_KEYS)
-        lp = kind in ("lp", "finish_lp")
-        if kind in ("finish", "finish_lp"):
+        lp = kind in ("lp", "lp_no_top", "finish_lp")
+        if kind == "lp_no_top":
+            chunks.append(no_top(tok(index, *ids, lp=True)))
+        elif kind in ("finish", "finish_lp"):
             chunks.append(fin(index, *ids, reason=draw(st.sampled_from(["stop", "length"])), lp=lp))
         elif kind == "usage":
             chunks.append(fin(index, *ids, usage=True))
@@ -205,8 +222,9 @@ def test_properties(chunks: list[Chunk]) -> None:
     assert per_output(out, "top_logprobs") == per_output(chunks, "top_logprobs")
     # Logprobs stay aligned with tokens in every chunk that has them.
     for chunk in out:
-        if "log_probs" in chunk:
-            assert len(chunk["log_probs"]) == len(chunk["token_ids"]) == len(chunk["top_logprobs"])
+        for key in ("log_probs", "top_logprobs"):
+            if key in chunk:
+                assert len(chunk[key]) == len(chunk["token_ids"]), key
     # Every terminal stays after exactly the tokens that preceded it, and none is merged away.
     assert terminals(out) == terminals(chunks)
     # Usage: as many chunks carry it as before, and if the input ended with it, so does the output.

@@ -293,6 +293,7 @@ def test_a_decode_engine_error_keeps_its_hint() -> None:
         ResponseMapper(REQUEST_ID, n=1, logprobs=None, prompt_tokens=3, leg="decode").map([error])
     assert "expired" in str(caught.value)
     assert "no longer holds this KV session" in str(caught.value)
+    assert caught.value.kind is DynamoErrorKind.UNKNOWN, "a lost KV session is the engines' failure (500), not a 400"
 
 
 def test_role_mismatch_is_a_400_with_a_hint() -> None:
