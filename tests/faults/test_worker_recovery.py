@@ -62,6 +62,11 @@ class Engine:
         self.aborts: list[str] = []
         #: Virtual time the engine came back after being down (set by :meth:`restart`).
         self.back_at: float | None = None
+        #: The client's GOAWAY state (``EngineClient.going_away``): this engine never sends one.
+        self.going_away: str | None = None
+
+    def on_going_away(self, listener: Any) -> None:
+        pass
 
     def restart(self, *, instance: str, guided: bool | None = None, context: int | None = None) -> None:
         self.instance = instance
@@ -312,6 +317,47 @@ async def test_an_engine_restarted_within_a_second_with_other_capabilities_is_re
         "reconnected",
         "registered",
     ]
+
+
+class FlappingEngine(Engine):
+    """An engine whose next call of some RPCs fails once more after it is back (a restart still in progress, or an
+    engine still draining after its GOAWAY: it answers once, then its port is gone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_once: set[str] = set()
+
+    async def _rpc(self, name: str) -> None:
+        await super()._rpc(name)
+        if name in self.fail_once:
+            self.fail_once.discard(name)
+            raise EngineRpcError(name, GrpcCode.UNAVAILABLE, "the engine closed the connection before HTTP/2 began")
+
+
+async def test_an_engine_gone_again_during_rediscovery_sends_the_worker_back_to_reconnecting(
+    autojump_clock: Clock, transitions: list[tuple[float, str, str]]
+) -> None:
+    """Found by ``bench.chaos`` (an engine SIGTERMed behind a TCP proxy): the engine answered the reconnect probe,
+    then GetModelInfo failed with UNAVAILABLE. Failed before: the error escaped the reconnect and the worker process
+    exited 1 with a traceback; now it is lost again, reconnects and serves."""
+    engine, dynamo = FlappingEngine(), Dynamo()
+    worker = await serving_worker(engine, dynamo)
+    transitions.clear()
+    async with trio.open_nursery() as nursery:
+        await run_watchers(nursery, worker, engine, dynamo)
+        engine.up = False
+        with trio.fail_after(30):
+            while worker.lifecycle.state != "reconnecting":
+                await trio.sleep(0.05)
+        engine.fail_once = {"GetModelInfo"}
+        engine.restart(instance="engine-1")
+        with trio.fail_after(30):
+            while worker.lifecycle.state != "serving" or worker.requests.serving is None:
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    events = [e for _, e, _ in transitions if e in ("engine_lost", "reconnected", "registered", "fail")]
+    assert events == ["engine_lost", "reconnected", "engine_lost", "reconnected", "registered"]
+    assert not engine.fail_once
 
 
 async def test_a_lost_connection_to_an_engine_that_answers_as_another_instance_is_rediscovered(
