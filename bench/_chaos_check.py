@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -268,20 +269,59 @@ def judge(transcript: Transcript, reference: Answer) -> Verdict:
 
 # ------------------------------------------------------------------------------------------ counters and logs
 
-_END = re.compile(r"sidecar\.requests .*: request (\S+) (finished|rejected|cancelled|failed) \(([^)]*)\)")
+_END = re.compile(
+    r"^.*? sidecar\.requests .*?: request (\S+) (finished|rejected|cancelled|failed) \((.*)\): "
+    r"(\d+) in / (\d+) out tokens",
+    re.M,
+)
 # Dynamo's exposition adds its own labels (namespace, component, endpoint) to every series of ours.
 _METRIC_RECEIVED = re.compile(r"^openengine_sidecar_requests_received_total(?:\{[^}]*\})? (\S+)$", re.M)
 _METRIC_ENDED = re.compile(r'^openengine_sidecar_requests_ended_total\{[^}]*\boutcome="(\w+)"[^}]*\} (\S+)$', re.M)
 OUTCOMES = ("finished", "cancelled", "failed", "rejected")
 
 
-def log_ends(path: Path) -> list[tuple[str, str, str]]:
-    """``(request id, outcome, reason)`` of every request-end line in a sidecar's log."""
+@dataclass(frozen=True)
+class End:
+    """One request-end line of a sidecar's log: the sidecar's own account of one attempt."""
+
+    request_id: str
+    outcome: str
+    reason: str
+    tokens_in: int
+    tokens_out: int
+
+
+def log_ends(path: Path) -> list[End]:
+    """Every request-end line in a sidecar's log."""
     try:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
         return []
-    return [(m.group(1), m.group(2), m.group(3)) for m in _END.finditer(text)]
+    return [End(m[1], m[2], m[3], int(m[4]), int(m[5])) for m in _END.finditer(text)]
+
+
+def migrated_usage(verdict: Verdict, answer: Answer, reference: Answer, attempts: list[End]) -> Verdict:
+    """A ``usage_mismatch`` that is exactly what Dynamo 1.6.1 reports after a migration, as a complete answer.
+
+    The frontend migrates a stream by sending the prompt *plus the tokens generated so far* to the next worker, and
+    then takes ``prompt_tokens`` from that worker's usage while it counts ``completion_tokens`` itself; the worker
+    cannot tell the original prompt from the tokens appended to it. So the client's ``prompt_tokens`` counts the
+    ``d`` tokens generated before the migration. Proven from the sidecar's own end line of the attempt that finished:
+    it received ``prompt + d`` tokens and generated the other ``completion - d``.
+    """
+    got, ref = answer.usage_key(), reference.usage_key()
+    if verdict.kind != "usage_mismatch" or got is None or ref is None or len(answer.choices) != 1:
+        return verdict
+    prompt, completion, total = got
+    finished = [a for a in attempts if a.outcome == "finished"]
+    if completion != ref[1] or total != prompt + completion or len(finished) != 1:
+        return verdict
+    moved = prompt - ref[0]
+    last = finished[0]
+    if 0 < moved <= completion and last.tokens_in == prompt and last.tokens_out == completion - moved:
+        detail = f"prompt_tokens {prompt} = {ref[0]} + {moved} generated before the migration (Dynamo 1.6.1)"
+        return Verdict("complete", "migrated_prompt_tokens", detail)
+    return verdict
 
 
 def metric_counts(page: str) -> tuple[int, dict[str, int]] | None:
@@ -307,6 +347,7 @@ class LifeCounts:
     #: Requests this run finished with a whole answer: on a prefill worker only its early stops (a finish other than
     #: "length", which is the handoff to the decode worker).
     finished_ids: list[str]
+    ends: list[End] = field(default_factory=list)
 
 
 @dataclass
@@ -322,7 +363,7 @@ class Reconciliation:
 
 def reconcile(
     lives: list[LifeCounts],
-    verdicts: list[tuple[Transcript, Verdict, Answer | None]],
+    verdicts: Sequence[tuple[Transcript, Verdict, Answer | None]],
     own_ids: set[str],
 ) -> Reconciliation:
     """received = finished + cancelled + failed + rejected for every run still alive at the end (its metrics, which

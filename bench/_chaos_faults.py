@@ -35,7 +35,8 @@ from typing import Final
 import httpx
 import trio
 
-from bench._chaos_topology import AGG_WORKERS, LORA, PD_WORKERS, Managed, Topology, now
+from bench._chaos_topology import AGG_WORKERS, LORA, PD_MODEL, PD_WORKERS, Managed, Topology, now
+from tests.helpers.stack import MODEL
 
 #: No fault starts in the last this many seconds of the load: the run ends healed.
 QUIET_S: Final = 20.0
@@ -44,6 +45,8 @@ LEAD_S: Final = 5.0
 MONITOR_INTERVAL_S: Final = 0.25
 LORA_CHECK_INTERVAL_S: Final = 2.0
 
+#: What every frontend must list for the topology to be whole.
+MODELS: Final = frozenset({MODEL, LORA, PD_MODEL})
 #: kind → (weight with file discovery, weight with etcd).
 FAULT_KINDS: Final[dict[str, tuple[int, int]]] = {
     "engine_kill": (3, 3),
@@ -442,8 +445,9 @@ _FAULTS: Final = {
 
 
 async def whole(state: ChaosState, http: httpx.AsyncClient) -> tuple[bool, dict[str, str]]:
-    """Every worker serving and listed by every frontend; also each worker's state (for the report)."""
-    from bench._chaos_topology import frontend_instances, worker_instance, worker_state
+    """Every worker serving, listed by every frontend, every model listed; also each worker's state (for the
+    report)."""
+    from bench._chaos_topology import frontend_instances, frontend_models, worker_instance, worker_state
 
     topo = state.topo
     states: dict[str, str] = {}
@@ -463,7 +467,7 @@ async def whole(state: ChaosState, http: httpx.AsyncClient) -> tuple[bool, dict[
         return False, states
     for frontend in topo.frontends.values():
         listed = await frontend_instances(http, frontend)
-        if listed is None or not ids <= listed:
+        if listed is None or not ids <= listed or not await frontend_models(http, frontend) >= MODELS:
             return False, states
     return True, states
 

@@ -4,6 +4,7 @@ the full transcript of every violation (enough to replay it)."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -68,7 +69,9 @@ class Report:
         active = []
         for rec in self.executed():
             begin = rec.injected if rec.injected is not None else rec.planned.at
-            finish = rec.recovered if rec.recovered is not None else (rec.lifted or begin) + 60
+            # Not recovered by the end of the run: active until then (observed KV faults: their moment only).
+            unhealed = begin + 5 if rec.kind in OBSERVED_KINDS else math.inf
+            finish = rec.recovered if rec.recovered is not None else unhealed
             if begin - _ATTRIBUTION_S <= end and finish >= start:
                 active.append(rec)
         return active
@@ -117,6 +120,11 @@ class Report:
             "|---:|---:|---:|---:|---:|",
             f"| {len(self.verdicts)} | {outcomes['complete']} | {outcomes['clean_error']} | {outcomes['cancelled']} "
             f"| {outcomes['violation']} |",
+            "",
+            f"complete answers that were migrated (more than one attempt on the sidecars): "
+            f"{self.extra.get('complete_after_migration', 0)}; of them with ``prompt_tokens`` counting the tokens "
+            f"generated before the migration (Dynamo 1.6.1 takes them from the last attempt): "
+            f"{sum(1 for _, v, _ in self.verdicts if v.kind == 'migrated_prompt_tokens')}",
             "",
             "| fault | injected | skipped | recovery p50 | recovery p99 | clean errors while active |",
             "|---|---:|---:|---:|---:|---:|",

@@ -478,6 +478,15 @@ async def frontend_instances(http: httpx.AsyncClient, frontend: Frontend) -> set
     return {int(i["instance_id"]) for i in health.get("instances", []) if i.get("endpoint") == "generate"}
 
 
+async def frontend_models(http: httpx.AsyncClient, frontend: Frontend) -> set[str]:
+    """The model ids the frontend's ``/v1/models`` lists (empty when it does not answer)."""
+    try:
+        models = (await http.get(f"{frontend.url}/v1/models", timeout=2)).json()
+    except (httpx.HTTPError, ValueError):
+        return set()
+    return {str(m.get("id")) for m in models.get("data", []) if isinstance(m, dict)}
+
+
 def make_adapter(root: Path) -> Path:
     adapter = root / LORA
     adapter.mkdir(parents=True, exist_ok=True)

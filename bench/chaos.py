@@ -44,11 +44,13 @@ import trio
 
 from bench._chaos_check import (
     Answer,
+    End,
     LifeCounts,
     Verdict,
     judge,
     log_ends,
     metric_counts,
+    migrated_usage,
     parse,
     reconcile,
     reference_problems,
@@ -77,6 +79,9 @@ DOCS: Final = ROOT / "docs" / "faults.md"
 CLIENTS: Final = 8
 #: Bound on the requests one client sends (the deadline ends the loop first in any sane run).
 MAX_REQUESTS_PER_CLIENT: Final = 5000
+#: After a clean error a client waits this long (seconds) before its next request, as real clients back off: a
+#: frontend that answers 404 at once for a while must not turn the closed loop into a storm.
+ERROR_BACKOFF_S: Final = (0.1, 0.5)
 #: Share of the load that carries an error directive while an error window is open.
 DIRECTIVE_SHARE: Final = 0.5
 BEHAVIOURS: Final[tuple[tuple[Behaviour, float], ...]] = (("normal", 0.7), ("slow", 0.15), ("disconnect", 0.15))
@@ -148,8 +153,7 @@ def choose_network(args: Args) -> tuple[Literal["proxy", "netem"], str]:
     if reason is None:
         return "netem", "tc netem in network namespaces"
     if args.network == "netem":
-        print(f"bench.chaos: error: --network netem: {reason}", file=sys.stderr)
-        raise SystemExit(2)
+        raise ChaosUnavailable(f"--network netem: {reason}")
     return "proxy", f"netem unavailable: {reason}"
 
 
@@ -268,6 +272,8 @@ async def client_loop(
         finally:
             state.inflight[name] -= 1
         load.transcripts.append(transcript)
+        if transcript.status != 200 and not transcript.disconnected:
+            await trio.sleep(rng.uniform(*ERROR_BACKOFF_S))
 
 
 async def engines_quiet(topo: Topology, bound_s: float) -> list[tuple[str, bool, str]]:
@@ -302,27 +308,37 @@ async def engines_quiet(topo: Topology, bound_s: float) -> list[tuple[str, bool,
     return results
 
 
-async def run(args: Args) -> int:
+class ChaosUnavailable(Exception):
+    """The machine lacks what the requested variant needs (one line for the operator)."""
+
+
+async def soak(args: Args) -> Report:
+    """The whole run: topology, references, load and faults, healing, checks; every process stopped at the end."""
     started = time.monotonic()
     load_s = args.minutes * 60
     mode, note = choose_network(args)
     if args.control_plane == "etcd" and missing_binaries():
-        print(f"bench.chaos: error: --control-plane etcd needs {' and '.join(missing_binaries())}", file=sys.stderr)
-        return 2
+        raise ChaosUnavailable(f"--control-plane etcd needs {' and '.join(missing_binaries())}")
     templates = catalogue(args.seed)
     faults = plan(args.seed, load_s, args.control_plane)
     print(f"bench.chaos: seed {args.seed}, {len(templates)} templates, {len(faults)} planned faults, {mode} ({note})")
-    tmp = tempfile.mkdtemp(prefix="oe-chaos-")
-    root = Path(tmp)
-    keep = args.log_dir
+    root = Path(tempfile.mkdtemp(prefix="oe-chaos-"))
     try:
         with open_hosts(args.control_plane, mode) as network:
-            report = await _run(args, root, network, mode, note, templates, faults, load_s, started)
+            return await _run(args, root, network, mode, note, templates, faults, load_s, started)
     finally:
-        if keep is not None and (root / "logs").is_dir():
-            shutil.copytree(root / "logs", keep, dirs_exist_ok=True)
-            print(f"bench.chaos: logs in {keep}")
+        if args.log_dir is not None and (root / "logs").is_dir():
+            shutil.copytree(root / "logs", args.log_dir, dirs_exist_ok=True)
+            print(f"bench.chaos: logs in {args.log_dir}")
         shutil.rmtree(root, ignore_errors=True)
+
+
+async def run(args: Args) -> int:
+    try:
+        report = await soak(args)
+    except ChaosUnavailable as exc:
+        print(f"bench.chaos: error: {exc}", file=sys.stderr)
+        return 2
     print(report.table())
     if args.report is not None:
         args.report.write_text(json.dumps(report.to_json(), indent=1, default=str))
@@ -423,12 +439,31 @@ async def _run(
         postconditions += await engines_quiet(topo, QUIESCE_TIMEOUT_S)
         monitor_scope.cancel()  # nothing restarts from here on
         lives = await _final_counts(topo)
+        attempts: dict[str, list[End]] = {}
+        for life_counts in lives:
+            if life_counts.worker != "pd-prefill":
+                for end in life_counts.ends:
+                    attempts.setdefault(end.request_id, []).append(end)
         verdicts: list[tuple[Transcript, Verdict, Answer | None]] = []
         for transcript in sorted(load.transcripts, key=lambda t: t.number):
-            verdict = judge(transcript, refs[transcript.template.name])
+            reference = refs[transcript.template.name]
+            verdict = judge(transcript, reference)
             seen = parse(transcript) if transcript.status == 200 else None
+            if seen is not None and verdict.kind == "usage_mismatch":
+                tried = [a for rid in request_ids(seen) for a in attempts.get(rid, [])]
+                verdict = migrated_usage(verdict, seen, reference, tried)
             verdicts.append((transcript, verdict, seen))
         reconciliation = reconcile(lives, verdicts, own_ids)
+        migrated = sum(
+            1
+            for _, verdict, seen in verdicts
+            if verdict.kind == "migrated_prompt_tokens"
+            or (
+                verdict.outcome == "complete"
+                and seen is not None
+                and sum(len(attempts.get(rid, [])) for rid in request_ids(seen)) > 1
+            )
+        )
         kv_records = observed_kv_faults(topo, lambda unix: unix - wall0)
         report = Report(
             seed=args.seed,
@@ -443,6 +478,7 @@ async def _run(
             anomalies=state.anomalies,
             lora_reloads=topo.lora_reloads,
             elapsed_s=time.monotonic() - started,
+            extra={"complete_after_migration": migrated},
         )
         for transcript, verdict, _ in report.violations()[:20]:
             print(report.transcript_text(transcript, verdict, refs[transcript.template.name]))
@@ -469,14 +505,12 @@ async def _final_counts(topo: Topology) -> list[LifeCounts]:
                     except httpx.HTTPError:
                         metrics = None
                 ends = log_ends(life.process.log_path)
-                counts = Counter(outcome for _, outcome, _ in ends)
-                prefill = name == "pd-prefill"
+                counts = Counter(end.outcome for end in ends)
+                handoff = name == "pd-prefill"  # its "finished (length)" hands the request to the decode worker
                 finished = [
-                    rid
-                    for rid, outcome, reason in ends
-                    if outcome == "finished" and not (prefill and reason == "length")
+                    e.request_id for e in ends if e.outcome == "finished" and not (handoff and e.reason == "length")
                 ]
-                lives.append(LifeCounts(name, life.number, life.end, metrics, counts, finished))
+                lives.append(LifeCounts(name, life.number, life.end, metrics, counts, finished, ends))
     return lives
 
 
@@ -500,4 +534,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-__all__ = ["main", "parse_args", "request_ids"]
+__all__ = ["Args", "ChaosUnavailable", "main", "parse_args", "soak"]

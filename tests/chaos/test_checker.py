@@ -7,6 +7,7 @@ import functools
 import json
 import random
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,10 +15,13 @@ import trio
 
 from bench._chaos_check import (
     Answer,
+    End,
     LifeCounts,
     Verdict,
     judge,
+    log_ends,
     metric_counts,
+    migrated_usage,
     parse,
     reconcile,
     reference_problems,
@@ -67,7 +71,7 @@ def test_an_exact_answer_is_complete_even_in_other_chunks_and_with_other_cached_
 @pytest.mark.parametrize(
     ("lines", "kind"),
     [
-        (WHOLE[:3] + [chunk(usage=USAGE), "data: [DONE]"], "truncated_200"),  # no finish_reason
+        ([*WHOLE[:3], chunk(usage=USAGE), "data: [DONE]"], "truncated_200"),  # no finish_reason
         (WHOLE[:4], "truncated_200"),  # no [DONE]
         ([chunk("The"), chunk(" mill"), chunk(" stood", "length"), chunk(usage=USAGE), "data: [DONE]"], "tokens_lost"),
         ([chunk("The"), chunk(" old"), chunk(" old"), chunk(" mill"), chunk(" stood", "length"), "data: [DONE]"],
@@ -146,7 +150,7 @@ def test_the_schedule_and_the_templates_follow_the_seed_alone() -> None:
     assert kv_faults(1, "w1", 2) == kv_faults(1, "w1", 2) != kv_faults(1, "w1", 3)
     templates = catalogue(3)
     assert [t.body for t in templates] == [t.body for t in catalogue(3)]
-    features = Counter()
+    features: Counter[str] = Counter()
     for t in templates:
         features.update(
             {t.api, t.model_kind, "stream" if t.stream else "unary", f"n{t.n}", t.directive or "-"}
@@ -235,6 +239,44 @@ async def test_the_proxy_carries_bytes_in_order_and_its_faults_hold_and_release_
                 await stream.receive_some(10)
             assert waited.cancelled_caught
             proxy.clear()
-            assert await _roundtrip(stream, b"") == b"" and await stream.receive_some(10) == b"held"
+            assert await stream.receive_some(10) == b"held"
             await stream.aclose()
             nursery.cancel_scope.cancel()
+
+
+def test_a_prompt_counted_with_the_tokens_before_a_migration_is_accepted_only_when_the_sidecar_log_proves_it(
+    reference: Answer,
+) -> None:
+    """Dynamo 1.6.1 takes ``prompt_tokens`` from the last attempt's worker, whose prompt holds the tokens generated
+    before the migration: 5 + 3 here. Accepted as complete only when the attempt that finished received 8 tokens
+    and generated the other 1."""
+    lines = [*WHOLE[:4], chunk(usage={**USAGE, "prompt_tokens": 8, "total_tokens": 12}), "data: [DONE]"]
+    answer = parse(streamed(CHAT_STREAM, lines))
+    verdict = judge(streamed(CHAT_STREAM, lines), reference)
+    assert verdict.kind == "usage_mismatch"
+    first = End("abc", "failed", "engine lost", 5, 3)
+    last = End("abc", "finished", "length", 8, 1)
+    accepted = migrated_usage(verdict, answer, reference, [first, last])
+    assert (accepted.outcome, accepted.kind) == ("complete", "migrated_prompt_tokens")
+    assert migrated_usage(verdict, answer, reference, [first, End("abc", "finished", "length", 8, 4)]) == verdict
+    assert migrated_usage(verdict, answer, reference, [End("abc", "finished", "length", 5, 4)]) == verdict
+    wrong_completion = [*WHOLE[:4], chunk(usage={**USAGE, "prompt_tokens": 8, "completion_tokens": 5}), "data: [DONE]"]
+    other = parse(streamed(CHAT_STREAM, wrong_completion))
+    assert migrated_usage(
+        judge(streamed(CHAT_STREAM, wrong_completion), reference), other, reference, [first, last]
+    ).kind == ("usage_mismatch")
+
+
+def test_the_request_end_lines_are_read_whatever_their_reason_holds(tmp_path: Path) -> None:
+    log = tmp_path / "w1.log"
+    log.write_text(
+        "2026-01-01T10:00:00.000Z WARNING sidecar.requests [worker=serving req=a]: request a failed (engine sent "
+        "nothing for 5s (request a)): 7 in / 18 out tokens, TTFT 174 ms, 5672 ms\n"
+        "2026-01-01T10:00:01.000Z INFO sidecar.requests [worker=serving req=b]: request b finished (length): 25 in "
+        "/ 2 out tokens, TTFT 5 ms, 30 ms\n"
+        "2026-01-01T10:00:01.000Z INFO dynamo push_handler: request received request_id=c\n"
+    )
+    assert log_ends(log) == [
+        End("a", "failed", "engine sent nothing for 5s (request a)", 7, 18),
+        End("b", "finished", "length", 25, 2),
+    ]
