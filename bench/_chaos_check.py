@@ -7,7 +7,8 @@ A response is one of:
   the reference: each choice's text, finish reason and logprobs, and the usage's prompt, completion and total tokens
   (``cached_tokens`` depends on which worker's cache held the prompt, so it is not compared);
 * a **clean error** — an HTTP 4xx/5xx, or HTTP 200 with an SSE error event and no ``finish_reason`` anywhere; what
-  arrived before the error must be a prefix of the reference (no token lost, duplicated or spliced);
+  arrived before the error must be a prefix of the reference (no token lost, duplicated or spliced). With ``n=2``
+  one choice may finish before the other fails: the error is clean when that choice is whole and exact;
 * **cancelled** — the client left on purpose; what arrived must be a prefix of the reference;
 * a **violation** — anything else: a truncated 200 (no ``[DONE]`` or a choice without ``finish_reason``), a finish
   followed by an error, a text, logprob, finish or usage that differs from the reference, a malformed event, a
@@ -247,8 +248,15 @@ def judge(transcript: Transcript, reference: Answer) -> Verdict:
             return Verdict("violation", "cancelled_not_prefix", problem)
         return Verdict("cancelled", "client_left")
     if answer.errors:
-        if finished:
+        if finished and transcript.template.n == 1:
             return Verdict("violation", "finish_then_error", f"error {answer.errors[0]} after a finish_reason")
+        # n > 1: a choice may end before another fails; it must then be whole and exact.
+        for index, got in answer.choices.items():
+            ref = reference.choices.get(index)
+            if got.finishes and (
+                ref is None or (got.text, got.finishes, got.logprobs) != (ref.text, ref.finishes, ref.logprobs)
+            ):
+                return Verdict("violation", "finish_then_error", f"choice {index} finished, not as the reference")
         problem = _prefix_problem(answer, reference)
         if problem is not None:
             return Verdict("violation", "error_not_prefix", problem)

@@ -126,6 +126,11 @@ def test_logprobs_and_n2_choices_are_compared_one_by_one() -> None:
     assert judge(streamed(N2_STREAM, reordered), reference).outcome == "complete"
     other_logprob = [*whole[:3], event(1, "D", -2.5, "length"), usage, "data: [DONE]"]
     assert judge(streamed(N2_STREAM, other_logprob), reference).kind == "logprobs_mismatch"
+    # One choice ends, then the other fails: clean when the finished one is whole and exact.
+    error = 'data: {"error": {"code": 503}}'
+    assert judge(streamed(N2_STREAM, [*whole[:3], error, "data: [DONE]"]), reference).outcome == "clean_error"
+    cut = [whole[0], event(1, "B", -1.0, "length"), error, "data: [DONE]"]
+    assert judge(streamed(N2_STREAM, cut), reference).kind == "finish_then_error"
     one_choice_missing = [whole[0], whole[2], usage, "data: [DONE]"]
     assert judge(streamed(N2_STREAM, one_choice_missing), reference) == Verdict(
         "violation", "truncated_200", "choice(s) [1] without finish_reason"
