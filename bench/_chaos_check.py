@@ -22,6 +22,7 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -278,10 +279,13 @@ def judge(transcript: Transcript, reference: Answer) -> Verdict:
 # ------------------------------------------------------------------------------------------ counters and logs
 
 _END = re.compile(
-    r"^.*? sidecar\.requests .*?: request (\S+) (finished|rejected|cancelled|failed) \((.*)\): "
+    r"^(\S+) .*? sidecar\.requests .*?: request (\S+) (finished|rejected|cancelled|failed) \((.*)\): "
     r"(\d+) in / (\d+) out tokens",
     re.M,
 )
+#: A run SIGKILLed this soon after it logged a request's end may not have sent that answer out: the frontend then
+#: migrates it, and another run finishes it too.
+_UNDELIVERED_S = 1.0
 # Dynamo's exposition adds its own labels (namespace, component, endpoint) to every series of ours.
 _METRIC_RECEIVED = re.compile(r"^openengine_sidecar_requests_received_total(?:\{[^}]*\})? (\S+)$", re.M)
 _METRIC_ENDED = re.compile(r'^openengine_sidecar_requests_ended_total\{[^}]*\boutcome="(\w+)"[^}]*\} (\S+)$', re.M)
@@ -297,6 +301,8 @@ class End:
     reason: str
     tokens_in: int
     tokens_out: int
+    #: The line's time (Unix).
+    at: float = 0.0
 
 
 def log_ends(path: Path) -> list[End]:
@@ -305,7 +311,15 @@ def log_ends(path: Path) -> list[End]:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
         return []
-    return [End(m[1], m[2], m[3], int(m[4]), int(m[5])) for m in _END.finditer(text)]
+    return [End(m[2], m[3], m[4], int(m[5]), int(m[6]), _unix(m[1])) for m in _END.finditer(text)]
+
+
+def _unix(stamp: str) -> float:
+    """A sidecar log line's UTC timestamp (``2026-01-01T10:00:00.123Z``) as a Unix time (0 when it is not one)."""
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
 
 
 def migrated_usage(verdict: Verdict, answer: Answer, reference: Answer, attempts: list[End]) -> Verdict:
@@ -356,6 +370,16 @@ class LifeCounts:
     #: "length", which is the handoff to the decode worker).
     finished_ids: list[str]
     ends: list[End] = field(default_factory=list)
+    #: When a SIGKILLed run was killed (Unix).
+    killed_at: float | None = None
+
+    def delivered(self, request_id: str) -> bool:
+        """Whether this run's finish of ``request_id`` can have reached the frontend (it was not killed right
+        after logging it)."""
+        if self.killed_at is None:
+            return True
+        ends = [e.at for e in self.ends if e.request_id == request_id and e.outcome == "finished"]
+        return not ends or self.killed_at - max(ends) > _UNDELIVERED_S
 
 
 @dataclass
@@ -394,7 +418,8 @@ def reconcile(
     finished_where: dict[str, list[str]] = {}
     for life in lives:
         for rid in life.finished_ids:
-            finished_where.setdefault(rid, []).append(f"{life.worker}#{life.life}")
+            if life.delivered(rid):
+                finished_where.setdefault(rid, []).append(f"{life.worker}#{life.life}")
     complete: Counter[str] = Counter()
     finished: Counter[str] = Counter()
     explained = {"own": 0, "client_left": 0, "complete": 0}

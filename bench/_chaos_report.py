@@ -122,7 +122,7 @@ class Report:
             f"| {outcomes['violation']} |",
             "",
             f"complete answers that were migrated (more than one attempt on the sidecars): "
-            f"{self.extra.get('complete_after_migration', 0)}; of them with ``prompt_tokens`` counting the tokens "
+            f"{self.extra.get('complete_after_migration', 0)}; of them with `prompt_tokens` counting the tokens "
             f"generated before the migration (Dynamo 1.6.1 takes them from the last attempt): "
             f"{sum(1 for _, v, _ in self.verdicts if v.kind == 'migrated_prompt_tokens')}",
             "",

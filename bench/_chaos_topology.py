@@ -96,9 +96,8 @@ class Life:
     ended: float | None = None
     #: How it ended: "running", "sigterm", "sigkill", "exit N" (an exit nobody asked for), "stopped" (run end).
     end: str = "running"
-    #: The last metrics page scraped from it (sidecars), and when.
-    metrics: str = ""
-    metrics_at: float = 0.0
+    #: When it ended, as a Unix time (to compare with its log's timestamps).
+    ended_unix: float | None = None
 
 
 @dataclass
@@ -179,6 +178,7 @@ class Managed:
             names: dict[int, str] = {signal.SIGKILL: "sigkill", signal.SIGTERM: "sigterm"}
             life.end = end or names.get(signum, "stopped")
         life.ended = life.ended or now()
+        life.ended_unix = life.ended_unix or time.time()
 
     async def reap(self) -> int | None:
         """When the current life's process has exited by itself: end the life (``exit N``) and return N."""
@@ -191,6 +191,7 @@ class Managed:
         if life.end == "running":
             life.end = f"exit {code}"
         life.ended = life.ended or now()
+        life.ended_unix = life.ended_unix or time.time()
         return code
 
 

@@ -470,7 +470,7 @@ async def _run(
             minutes=args.minutes,
             control_plane=args.control_plane,
             network=mode,
-            network_note=note,
+            network_note=f"{note}; hosts: {'network namespaces' if network.isolated else 'loopback'}",
             verdicts=verdicts,
             faults=[*state.records, *kv_records],
             reconciliation=reconciliation,
@@ -510,7 +510,8 @@ async def _final_counts(topo: Topology) -> list[LifeCounts]:
                 finished = [
                     e.request_id for e in ends if e.outcome == "finished" and not (handoff and e.reason == "length")
                 ]
-                lives.append(LifeCounts(name, life.number, life.end, metrics, counts, finished, ends))
+                killed = life.ended_unix if life.end == "sigkill" else None
+                lives.append(LifeCounts(name, life.number, life.end, metrics, counts, finished, ends, killed))
     return lives
 
 

@@ -53,7 +53,7 @@ async def test_a_seeded_soak_on_etcd_and_nats_has_no_violation(tmp_path: Path) -
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    args = Args(1.5, 2, "etcd", "auto", tmp_path / "report.json", False, tmp_path / "logs")
+    args = Args(1.5, 7, "etcd", "auto", tmp_path / "report.json", False, tmp_path / "logs")
     with trio.fail_after(600):
         report = await soak(args)
     _assert_clean(report, kinds=6, complete=200)

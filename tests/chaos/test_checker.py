@@ -185,6 +185,12 @@ def test_reconciliation_finds_an_answer_no_sidecar_finished_and_counters_that_do
     assert reconcile([_life("w1", ["abc"], (1, ended))], verdicts, set()).problems == []
     off = reconcile([_life("w1", ["abc"], (2, ended))], verdicts, set()).problems
     assert off == ["w1 run 1: received 2 != ended 1 {'finished': 1, 'cancelled': 0, 'failed': 0, 'rejected': 0}"]
+    # A run SIGKILLed just after it logged the finish may not have sent the answer: another run finished it too.
+    killed = LifeCounts("w1", 1, "sigkill", None, Counter(), ["abc"], [End("abc", "finished", "stop", 3, 1, 100.0)])
+    killed.killed_at = 100.2
+    assert reconcile([killed, _life("w2", ["abc"])], verdicts, set()).problems == []
+    killed.killed_at = 105.0
+    assert "finished by ['w1#1', 'w2#1']" in reconcile([killed, _life("w2", ["abc"])], verdicts, set()).problems[0]
     stray = reconcile([_life("w1", ["abc", "zzz"])], verdicts, set()).problems
     assert "no client saw or left" in stray[0]
     assert reconcile([_life("w1", ["abc", "zzz"])], verdicts, {"zzz"}).problems == []
@@ -282,6 +288,6 @@ def test_the_request_end_lines_are_read_whatever_their_reason_holds(tmp_path: Pa
         "2026-01-01T10:00:01.000Z INFO dynamo push_handler: request received request_id=c\n"
     )
     assert log_ends(log) == [
-        End("a", "failed", "engine sent nothing for 5s (request a)", 7, 18),
-        End("b", "finished", "length", 25, 2),
+        End("a", "failed", "engine sent nothing for 5s (request a)", 7, 18, 1767261600.0),
+        End("b", "finished", "length", 25, 2, 1767261601.0),
     ]
