@@ -416,10 +416,12 @@ def reconcile(
         if logged != ended:
             problems.append(f"{life.worker} run {life.life}: metrics {ended} != log lines {logged}")
     finished_where: dict[str, list[str]] = {}
+    # Finishes a SIGKILLed run logged just before its death: their answer may or may not have left the process.
+    maybe_lost: dict[str, list[str]] = {}
     for life in lives:
         for rid in life.finished_ids:
-            if life.delivered(rid):
-                finished_where.setdefault(rid, []).append(f"{life.worker}#{life.life}")
+            into = finished_where if life.delivered(rid) else maybe_lost
+            into.setdefault(rid, []).append(f"{life.worker}#{life.life}")
     complete: Counter[str] = Counter()
     finished: Counter[str] = Counter()
     explained = {"own": 0, "client_left": 0, "complete": 0}
@@ -431,7 +433,8 @@ def reconcile(
             complete[kind] += 1
             for rid in ids:
                 where = [w for w in finished_where.get(rid, []) if _counts_for(kind, w)]
-                if len(where) != 1:
+                maybe = [w for w in maybe_lost.get(rid, []) if _counts_for(kind, w)]
+                if len(where) > 1 or not (where or maybe):
                     problems.append(f"request #{transcript.number} ({rid}): complete, finished by {where or 'none'}")
                 seen.add(rid)
         elif verdict.outcome == "cancelled":
@@ -443,13 +446,13 @@ def reconcile(
                 if where:
                     problems.append(f"request #{transcript.number} ({rid}): a clean error, yet finished by {where}")
                 seen.add(rid)
-    for rid, where in finished_where.items():
+    for rid, where in [*finished_where.items(), *maybe_lost.items()]:
         for w in where:
             finished["pd" if w.startswith("pd-") else "base+lora"] += 1
         if rid in own_ids:
             explained["own"] += 1
     explained["complete"] = sum(complete.values())
-    unexplained = [rid for rid in finished_where if rid not in seen and rid not in own_ids]
+    unexplained = [rid for rid in {**maybe_lost, **finished_where} if rid not in seen and rid not in own_ids]
     anonymous = sum(
         1 for t, v, a in verdicts if v.outcome in ("cancelled", "clean_error") and not (a and request_ids(a))
     )

@@ -29,6 +29,7 @@ from bench._chaos_check import (
 from bench._chaos_faults import FAULT_KINDS, QUIET_S, kv_faults, plan
 from bench._chaos_load import Template, Transcript, catalogue
 from bench._chaos_net import ProxyLink
+from bench.chaos import parse_args
 
 CHAT_STREAM = Template("t-chat", "chat", True, "base", 1, {"max_tokens": 4, "temperature": 0})
 COMPLETION = Template("t-cmpl", "completions", False, "base", 1, {"max_tokens": 4, "temperature": 0})
@@ -189,6 +190,7 @@ def test_reconciliation_finds_an_answer_no_sidecar_finished_and_counters_that_do
     killed = LifeCounts("w1", 1, "sigkill", None, Counter(), ["abc"], [End("abc", "finished", "stop", 3, 1, 100.0)])
     killed.killed_at = 100.2
     assert reconcile([killed, _life("w2", ["abc"])], verdicts, set()).problems == []
+    assert reconcile([killed], verdicts, set()).problems == [], "or it left just in time"
     killed.killed_at = 105.0
     assert "finished by ['w1#1', 'w2#1']" in reconcile([killed, _life("w2", ["abc"])], verdicts, set()).problems[0]
     stray = reconcile([_life("w1", ["abc", "zzz"])], verdicts, set()).problems
@@ -291,3 +293,24 @@ def test_the_request_end_lines_are_read_whatever_their_reason_holds(tmp_path: Pa
         End("a", "failed", "engine sent nothing for 5s (request a)", 7, 18, 1767261600.0),
         End("b", "finished", "length", 25, 2, 1767261601.0),
     ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--minutes", "0.1"], "--minutes 0.1: must be between 0.5 and 120"),
+        (["--minutes", "three"], "argument --minutes: invalid float value: 'three'"),
+        (["--control-plane", "zookeeper"], "argument --control-plane: invalid choice: 'zookeeper'"),
+        (["--report", "/nonexistent-dir/r.json"], "--report /nonexistent-dir/r.json: directory"),
+    ],
+)
+def test_a_bad_flag_is_one_line_and_exit_status_2(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("bench.chaos: error: ")
+    assert says in err
