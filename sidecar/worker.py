@@ -26,7 +26,7 @@ import trio
 
 from openengine_bp.openengine.v1 import HealthState
 from sidecar.convert.enums import bp_enum
-from sidecar.dynamo import ControlPlaneError, ControlPlaneUnreachable, DynamoSettings, open_dynamo
+from sidecar.dynamo import ControlPlaneError, ControlPlaneLost, ControlPlaneUnreachable, DynamoSettings, open_dynamo
 from sidecar.edge import open_edge
 from sidecar.engine import EngineClientConfig, SchemaIncompatible, open_engine_client, parse_endpoint
 from sidecar.errors import EngineGone, EngineRpcError, GrpcCode, WorkerDraining
@@ -473,9 +473,20 @@ class Worker:
         self._stalled = None  # a stall is over with the rediscovered engine
         # The card first: what the engine now reports (capabilities, limits) is registered before the instance is
         # routable again.
-        await dynamo.register(self._registration(self._discovery))
-        self.requests.attach(self._serving(client, self._discovery))
-        await dynamo.restore()
+        try:
+            await dynamo.register(self._registration(self._discovery))
+            self.requests.attach(self._serving(client, self._discovery))
+            await dynamo.restore()
+        except ControlPlaneLost:
+            raise
+        except Exception as exc:  # Dynamo's bindings raise plain exceptions for a discovery write that fails
+            # Discovery cannot take the registration now (file discovery lost its directories, etcd unreachable):
+            # stay withdrawn; the registration watchdog publishes everything again and brings the worker back.
+            self.requests.attach(self._serving(client, self._discovery))
+            self._registration_lost = True
+            life.fire("degrade", reason=f"the engine is back but registering again failed: {exc}")
+            log.error("registering again after the engine came back failed (%s): out of routing until restored", exc)
+            return
         life.fire("registered", reason="engine back")
         metrics.RECONNECTS.labels(stage="recovered").inc()
 

@@ -129,8 +129,10 @@ TRANSITIONS: list[TransitionConfigDict] = [
     # Dynamo endpoint served and model registered: the frontend may route to us from now on.
     {"trigger": "registered", "source": "registering", "dest": "serving"},
     # Health not READY or Health RPCs failing while the channel is up, or a GOAWAY (the engine is stopping): withdraw
-    # from routing, keep in-flight work (the Rust sidecar exits here).
-    {"trigger": "degrade", "source": "serving", "dest": "degraded"},
+    # from routing, keep in-flight work (the Rust sidecar exits here).  From registering: the engine is back but
+    # discovery cannot take the registration now (its directory deleted, etcd unreachable); the registration watchdog
+    # publishes it again and recovers.
+    {"trigger": "degrade", "source": ["serving", "registering"], "dest": "degraded"},
     # Health READY again: re-register (through `registering`, so "serving" always means "registered").
     {"trigger": "recover", "source": "degraded", "dest": "registering"},
     # The engine went away.  Allowed once connected: a restart can happen in any later phase, and reconnecting

@@ -36,7 +36,7 @@ from openengine_bp.openengine.v1 import (
     ServerInfo,
 )
 from sidecar.cli import parse_config
-from sidecar.dynamo import RequestContext
+from sidecar.dynamo import RequestContext, RestoreReport
 from sidecar.engine import PINNED_SCHEMA_RELEASE
 from sidecar.errors import EngineRpcError, GrpcCode, WorkerDraining
 from sidecar.kv import RoutingConfig
@@ -494,3 +494,58 @@ async def test_a_stalled_prefill_engine_is_probed_the_way_its_role_allows_and_th
     assert engine.probes >= 2
     assert not [rid for rid in engine.generates if rid.startswith("openengine-sidecar-canary-")]
     assert dynamo.names()[-1] == "restore"
+
+
+class LosingDynamo(Dynamo):
+    """Discovery that loses its directories: the next ``fail_registers`` card writes fail as file discovery's do
+    after ``rm -rf "$DYN_FILE_KV"/v1/*``; the registration watchdog's republish puts everything back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_registers = 0
+        self.withdrawn = False
+
+    async def register(self, registration: Any) -> None:
+        if self.fail_registers:
+            self.fail_registers -= 1
+            await trio.lowlevel.checkpoint()
+            raise Exception("Internal filesystem error: No such file or directory (os error 2)")
+        await super().register(registration)
+
+    async def republish(self, *, restore_instance: bool = False) -> RestoreReport:
+        await trio.lowlevel.checkpoint()
+        self.calls.append((trio.current_time(), "republish", restore_instance))
+        self.routable = True
+        return RestoreReport()
+
+
+async def test_a_registration_that_cannot_be_written_when_the_engine_is_back_leaves_the_worker_withdrawn_not_dead(
+    autojump_clock: Clock, transitions: list[tuple[float, str, str]]
+) -> None:
+    """Found by ``bench.chaos`` (the discovery tree deleted while the engine restarted): writing the model card
+    again failed ("Internal filesystem error") and the error escaped the reconnect: the worker exited 1 with a
+    traceback. Now the worker stays withdrawn (degraded) and the registration watchdog publishes everything again."""
+    engine, dynamo = Engine(), LosingDynamo()
+    worker = await serving_worker(engine, dynamo, "--registration-check-interval-secs", "2")
+    transitions.clear()
+    async with trio.open_nursery() as nursery:
+        await run_watchers(nursery, worker, engine, dynamo)
+        nursery.start_soon(worker._watch_registration, dynamo)  # type: ignore[arg-type]
+        engine.up = False
+        with trio.fail_after(30):
+            while state(worker) != "reconnecting":
+                await trio.sleep(0.05)
+        dynamo.fail_registers = 1
+        engine.restart(instance="engine-2")
+        with trio.fail_after(30):
+            while state(worker) != "degraded":
+                await trio.sleep(0.05)
+        with trio.fail_after(30):
+            while state(worker) != "serving":
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    events = [e for _, e, _ in transitions if e in ("engine_lost", "reconnected", "degrade", "recover", "registered")]
+    assert events == ["engine_lost", "reconnected", "degrade", "recover", "registered"]
+    assert ("republish", True) in [(name, arg) for _, name, arg in dynamo.calls]
+    assert worker.requests.serving is not None
+    assert worker.requests.serving.caps.instance_id == "engine-2"
