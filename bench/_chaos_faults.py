@@ -22,6 +22,7 @@ them are healed.
 
 from __future__ import annotations
 
+import base64
 import random
 import re
 import shutil
@@ -35,7 +36,18 @@ from typing import Final
 import httpx
 import trio
 
-from bench._chaos_topology import AGG_WORKERS, LORA, PD_MODEL, PD_WORKERS, Managed, Topology, now
+from bench._chaos_topology import (
+    AGG_WORKERS,
+    LORA,
+    PD_MODEL,
+    PD_WORKERS,
+    Managed,
+    Topology,
+    frontend_instances,
+    frontend_models,
+    worker_instance,
+    worker_state,
+)
 from tests.helpers.stack import MODEL
 
 #: No fault starts in the last this many seconds of the load: the run ends healed.
@@ -400,8 +412,6 @@ async def _cp_pause(state: ChaosState, rec: FaultRecord, rng: random.Random) -> 
 
 async def _etcd_delete_instance(state: ChaosState, rng: random.Random) -> str:
     """Delete one worker's ``generate`` instance key in etcd (the entry its watchdog checks and restores)."""
-    import base64
-
     cluster = state.topo.cluster
     assert cluster is not None
 
@@ -447,8 +457,6 @@ _FAULTS: Final = {
 async def whole(state: ChaosState, http: httpx.AsyncClient) -> tuple[bool, dict[str, str]]:
     """Every worker serving, listed by every frontend, every model listed; also each worker's state (for the
     report)."""
-    from bench._chaos_topology import frontend_instances, frontend_models, worker_instance, worker_state
-
     topo = state.topo
     states: dict[str, str] = {}
     ids: set[int] = set()
@@ -567,8 +575,8 @@ __all__ = [
     "PlannedFault",
     "kv_faults",
     "monitor",
-    "now",
     "observed_kv_faults",
     "plan",
     "run_plan",
+    "whole",
 ]

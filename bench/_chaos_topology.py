@@ -124,11 +124,6 @@ class Managed:
         life = self.life
         return life.process if life is not None and life.end == "running" else None
 
-    @property
-    def alive(self) -> bool:
-        process = self.process
-        return process is not None and process.returncode is None
-
     async def start(self, *, wait_ready: bool = True) -> Process:
         """Start a new life (the previous one must have ended)."""
         assert self._stack is None, f"{self.name} is already running"
@@ -224,10 +219,6 @@ class Worker:
     @property
     def system_url(self) -> str:
         return f"http://{self.host.address}:{self.system_port}"
-
-    @property
-    def aggregated(self) -> bool:
-        return self.name in AGG_WORKERS
 
 
 @dataclass
@@ -377,12 +368,6 @@ class Topology:
         return worker
 
     # -- running ------------------------------------------------------------------------------------------------
-
-    def all_managed(self) -> list[Managed]:
-        managed = [f.managed for f in self.frontends.values()]
-        for worker in self.workers.values():
-            managed += [worker.sidecar, worker.engine.managed]
-        return managed
 
     async def start_all(self) -> None:
         """Frontends and engines at once, then the sidecars (two at a time: start-ups on two cores are slow)."""
