@@ -50,6 +50,8 @@ from bench._chaos_topology import (
 )
 from tests.helpers.stack import MODEL
 
+#: How a process that exited without a fault asking it to is reported (a violation: it did not survive).
+EXITED: Final = "exited by itself"
 #: No fault starts in the last this many seconds of the load: the run ends healed.
 QUIET_S: Final = 20.0
 #: Faults start after the load has run this long.
@@ -514,7 +516,7 @@ async def _supervise(state: ChaosState) -> None:
         if key in state.busy or managed.process is None or managed.process.returncode is None:
             continue
         code = await managed.reap()
-        state.anomalies.append(f"{managed.name} exited by itself (status {code}) at {state.clock():.1f} s; restarted")
+        state.anomalies.append(f"{managed.name} {EXITED} (status {code}) at {state.clock():.1f} s; restarted")
         await _restart(managed)
 
 
@@ -568,6 +570,7 @@ def _local_unix(stamp: str) -> float:
 
 
 __all__ = [
+    "EXITED",
     "FAULT_KINDS",
     "OBSERVED_KINDS",
     "ChaosState",
