@@ -9,8 +9,9 @@
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -62,6 +63,9 @@ class Engine:
         self.aborts: list[str] = []
         #: Virtual time the engine came back after being down (set by :meth:`restart`).
         self.back_at: float | None = None
+        #: The going-away listeners the worker registered (``EngineClient.on_going_away``); this engine never
+        #: sends GOAWAY (its outages are refused connections), so they are only kept.
+        self.going_away_listeners: list[Callable[[str], None]] = []
 
     def restart(self, *, instance: str, guided: bool | None = None, context: int | None = None) -> None:
         self.instance = instance
@@ -71,6 +75,21 @@ class Engine:
             self.context = context
         self.up = True
         self.back_at = trio.current_time()
+
+    # EngineClient's going-away API (GOAWAY), as a client whose engine never says it is going away has it.
+    @property
+    def going_away(self) -> str | None:
+        return None
+
+    @property
+    def draining_connections(self) -> int:
+        return 0
+
+    def on_going_away(self, listener: Callable[[str], None]) -> None:
+        self.going_away_listeners.append(listener)
+
+    async def wait_drained(self, timeout_s: float = math.inf) -> None:
+        await trio.lowlevel.checkpoint()
 
     async def _rpc(self, name: str) -> None:
         await trio.lowlevel.checkpoint()
