@@ -15,10 +15,10 @@ script=$(basename "$0")
 # Shared flags and their defaults; each launcher adds its own.
 model_path="$root/sidecar/testing/mock/model" model_given=0 model_name="" http_port=${DYN_HTTP_PORT:-8000}
 log_dir="" demo=0 once=0 extra=()
-# openengine-mock flags every demo engine gets. After the mock's --profile flag lands (its default becomes the
-# TensorRT-LLM-like profile), the demos need `--profile full` here: GetLoad's active_kv_sessions and the served
-# counters the smoke reads are part of the full profile.
-mock_common=()
+# openengine-mock flags every demo engine gets. The mock's default profile is TensorRT-LLM's server, whose GetLoad
+# reports running requests only; the smoke's check that the engines hold no KV session after the answer reads
+# active_kv_sessions and the served counters, which only the richer engine reports (docs/mock.md, "Profiles").
+mock_common=(--profile full)
 
 usage() { awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
 die() { echo "$script: $*" >&2; exit 2; }

@@ -73,11 +73,6 @@ if TYPE_CHECKING:
 
 log: Final = logging.getLogger("sidecar.requests")
 
-#: Marks the worker's own health canary so it is answered with Control.Health instead of a generation.
-CANARY_KEY: Final = "openengine_sidecar_canary"
-#: Health canary payload handed to Dynamo (``serve_endpoint(health_check_payload=...)``).
-CANARY_PAYLOAD: Final[dict[str, Any]] = {**HEALTH_CANARY_PAYLOAD, CANARY_KEY: True}
-
 # After the terminal event the engine closes the stream at once (TensorRT-LLM does); one that does not is
 # tolerated, but not waited for longer than this.
 _EOF_GRACE_S: Final = 2.0
@@ -264,14 +259,11 @@ class RequestServer:
             serving = self._serving
         if serving is None:
             raise WorkerDraining("worker is not serving (starting, degraded or draining); retry on another worker")
-        if request.get(CANARY_KEY) is True:
-            yield [await _answer_canary(serving)]
-            return
         lifecycle = RequestLifecycle(ctx.request_id)
         logs.REQUEST_ID.set(ctx.request_id)  # every log line of this request's task names it
         metrics.REQUESTS_RECEIVED.inc()
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("request %s: %s", ctx.request_id, request)
+            log.debug("request %s: %s", ctx.request_id, request_shape(request))
         end = _RequestEnd(ctx.request_id, len(request.get("token_ids") or ()))
         try:
             trace = dict(ctx.trace_headers)
@@ -533,6 +525,48 @@ class _RequestEnd:
         )
 
 
+def request_shape(request: dict[str, Any]) -> str:
+    """What a debug line says of a request: its lengths, sampling and stop conditions, never its content.
+
+    Prompts are never dumped (not as text, not as token ids: ids decode back to the prompt), nor stop strings or
+    guides (client text); numbers and flags are shown as they came.
+    """
+
+    def section(name: str) -> dict[str, Any]:
+        value = request.get(name)
+        return value if isinstance(value, dict) else {}
+
+    def scalars(values: dict[str, Any]) -> list[str]:
+        return [f"{k}={v}" for k, v in values.items() if v is not None and isinstance(v, bool | int | float)]
+
+    def count(value: Any) -> int:
+        if isinstance(value, str):
+            return 1 if value else 0  # one stop string given bare
+        return len(value) if isinstance(value, list | tuple) else 0
+
+    parts = [f"prompt {count(request.get('token_ids'))} tokens"]
+    media = request.get("multi_modal_data")
+    if isinstance(media, dict) and media:
+        parts.append("media " + ", ".join(f"{kind} {count(items)}" for kind, items in media.items()))
+    sampling = section("sampling_options")
+    shown = scalars(sampling)
+    guided = sampling.get("guided_decoding")
+    if isinstance(guided, dict) and (kinds := [k for k, v in guided.items() if v not in (None, "", [], {})]):
+        shown.append(f"guided {'/'.join(kinds)}")
+    parts.append(f"sampling {{{', '.join(shown)}}}")
+    stop = section("stop_conditions")
+    shown = scalars(stop)
+    for key in ("stop", "stop_token_ids_hidden", "stop_token_ids_visible"):
+        if number := count(stop.get(key)):
+            shown.append(f"{key} ×{number}")
+    parts.append(f"stop {{{', '.join(shown)}}}")
+    if shown := scalars(section("output_options")):
+        parts.append(f"output {{{', '.join(shown)}}}")
+    if request.get("prefill_result") is not None:
+        parts.append("with a prefill result")
+    return "; ".join(parts)
+
+
 def _eos_token_ids(request: dict[str, Any]) -> list[int]:
     """``PreprocessedRequest.eos_token_ids`` as far as they are token ids (the engine is not sent them: only the
     terminal hold reads them, so a malformed list is ignored rather than refused)."""
@@ -671,17 +705,3 @@ async def probe_generation(serving: ServingContext, request_id: str, timeout_s: 
         if not done:
             await _abort(serving, request_id)
     return None if done else f"no answer within {timeout_s:g}s"
-
-
-async def _answer_canary(serving: ServingContext) -> dict[str, Any]:
-    # Dynamo's canary checks the worker end to end; answering it with Control.Health keeps the engine's batch free
-    # of probe generations and fails it exactly when the engine is not ready.
-    response = await serving.client.health(timeout_s=serving.abort_timeout_s)
-    if int(response.state) != 2:  # HEALTH_STATE_READY
-        raise EngineGone(f"engine health is {response.state!r}")
-    prompt = len(HEALTH_CANARY_PAYLOAD["token_ids"])
-    return {
-        "token_ids": [],
-        "finish_reason": "stop",
-        "completion_usage": {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt},
-    }

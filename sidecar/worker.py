@@ -26,7 +26,7 @@ import trio
 
 from openengine_bp.openengine.v1 import HealthState
 from sidecar.convert.enums import bp_enum
-from sidecar.dynamo import ControlPlaneError, ControlPlaneLost, ControlPlaneUnreachable, DynamoSettings, open_dynamo
+from sidecar.dynamo import ControlPlaneError, ControlPlaneUnreachable, DynamoSettings, open_dynamo
 from sidecar.edge import open_edge
 from sidecar.engine import EngineClientConfig, SchemaIncompatible, open_engine_client, parse_endpoint
 from sidecar.errors import EngineGone, EngineRpcError, GrpcCode, WorkerDraining
@@ -414,7 +414,10 @@ class Worker:
             return
         self.lifecycle.fire("recover", reason="engine health READY")
         self.requests.attach(self._serving(client, self._discovery))
-        await dynamo.restore()
+        held = await self._back_into_routing(dynamo)
+        if held is not None:
+            self.lifecycle.fire("degrade", reason=held)
+            return
         self.lifecycle.fire("registered", reason="recovered")
         metrics.HEALTH_TRANSITIONS.labels(change="recovered").inc()
 
@@ -471,23 +474,15 @@ class Worker:
             await self._lora.sync(engine_restarted=True)
         self._identity.expect(self._discovery.caps.instance_id)
         self._stalled = None  # a stall is over with the rediscovered engine
+        self.requests.attach(self._serving(client, self._discovery))
         # The card first: what the engine now reports (capabilities, limits) is registered before the instance is
         # routable again.
-        try:
-            await dynamo.register(self._registration(self._discovery))
-            self.requests.attach(self._serving(client, self._discovery))
-            await dynamo.restore()
-        except ControlPlaneLost:
-            raise
-        except Exception as exc:  # Dynamo's bindings raise plain exceptions for a discovery write that fails
-            # Discovery cannot take the registration now (file discovery lost its directories, etcd unreachable):
-            # stay withdrawn; the registration watchdog publishes everything again and brings the worker back.
-            self.requests.attach(self._serving(client, self._discovery))
-            self._registration_lost = True
-            life.fire("degrade", reason=f"the engine is back but registering again failed: {exc}")
-            log.error("registering again after the engine came back failed (%s): out of routing until restored", exc)
-            return
-        life.fire("registered", reason="engine back")
+        held = await self._back_into_routing(dynamo, self._registration(self._discovery))
+        if held is None:
+            life.fire("registered", reason="engine back")
+        else:
+            # Requests that still arrive are served; routing resumes when the watchdog has written every entry.
+            life.fire("degrade", reason=held)
         metrics.RECONNECTS.labels(stage="recovered").inc()
 
     async def _wait_for_engine(self, client: EngineClient) -> None:
@@ -508,6 +503,32 @@ class Worker:
             with trio.move_on_after(backoff * random.uniform(0.8, 1.2)):
                 await self._identity.answered.wait()
             backoff = min(backoff * 2, config.reconnect_backoff_max_s)
+
+    async def _back_into_routing(self, dynamo: DynamoWorker, card: Registration | None = None) -> str | None:
+        """Register ``card`` (if given), then put the instance back into routing; or say why the worker stays out.
+
+        While the registration watchdog holds the worker out (an entry it cannot write), the instance stays
+        withdrawn: the watchdog restores it with everything else once it can. A write refused here hands the worker
+        to the watchdog the same way, instead of raising out of the watch that called this and ending the worker.
+        """
+        try:
+            if card is not None:
+                await dynamo.register(card)
+            if not self._registration_lost:
+                await dynamo.restore()
+                return None
+            problem = "an entry the registration watchdog cannot write yet"
+        except ControlPlaneError:
+            raise
+        except Exception as exc:
+            problem = " ".join(str(exc).split()) or type(exc).__name__
+            self._registration_lost = True
+            log.error(
+                "our discovery registration cannot be published (%s): out of routing, retrying every %gs",
+                problem,
+                self.config.registration_check_interval_s,
+            )
+        return f"discovery registration lost and not restored ({problem})"
 
     async def _engine_going_away(self, client: EngineClient, dynamo: DynamoWorker) -> None:
         """The engine sent GOAWAY: it is stopping (TensorRT-LLM: ``server.stop(grace=5)``, open streams may finish).

@@ -20,9 +20,11 @@
 #
 # * `degrade`:     serving, but the engine's Health is not READY or Health RPCs fail, or the engine announced that
 #                  it is stopping (GOAWAY), or a request's inactivity timeout found the engine not producing at all
-#                  (Health may say READY then).  The worker withdraws its Dynamo endpoint instance so the router
-#                  stops sending it work; in-flight requests continue (after a GOAWAY, until the engine closes its
-#                  connections; then `engine_lost`).
+#                  (Health may say READY then), or the registration watchdog found a discovery entry it cannot
+#                  write back.  The worker withdraws its Dynamo endpoint instance so the router stops sending it
+#                  work; in-flight requests continue (after a GOAWAY, until the engine closes its connections; then
+#                  `engine_lost`).  Also from registering after a reconnect, when the registration cannot be
+#                  published: the watchdog keeps the worker out until it can write every entry.
 # * `recover`:     Health is READY again (after a stall: a canary generation was answered) -> `registering`
 #                  re-registers, then `registered` -> serving.
 # * `engine_lost`: the channel to the engine is gone (restart, crash, network), or another engine answers on it (a
@@ -128,10 +130,10 @@ TRANSITIONS: list[TransitionConfigDict] = [
     {"trigger": "ready", "source": "waiting_ready", "dest": "registering"},
     # Dynamo endpoint served and model registered: the frontend may route to us from now on.
     {"trigger": "registered", "source": "registering", "dest": "serving"},
-    # Health not READY or Health RPCs failing while the channel is up, or a GOAWAY (the engine is stopping): withdraw
-    # from routing, keep in-flight work (the Rust sidecar exits here).  From registering: the engine is back but
-    # discovery cannot take the registration now (its directory deleted, etcd unreachable); the registration watchdog
-    # publishes it again and recovers.
+    # Health not READY or Health RPCs failing while the channel is up, a GOAWAY (the engine is stopping), an engine
+    # not producing, or a discovery entry the registration watchdog cannot write back: withdraw from routing, keep
+    # in-flight work (the Rust sidecar exits here).  From registering: the engine is back after a loss but its
+    # registration cannot be published (the watchdog holds the worker out): not routable, so not serving.
     {"trigger": "degrade", "source": ["serving", "registering"], "dest": "degraded"},
     # Health READY again: re-register (through `registering`, so "serving" always means "registered").
     {"trigger": "recover", "source": "degraded", "dest": "registering"},
@@ -203,13 +205,17 @@ STATE_DOCS: dict[WorkerState, StateDoc] = {
     "degraded": StateDoc(
         meaning="The engine is reachable but not healthy (Health not READY or Health RPCs failing), it announced "
         "that it is stopping (GOAWAY), or it stopped producing (a request's inactivity timeout with nothing from the "
-        "engine for any request, while Health may still say READY). The endpoint instance is withdrawn so no new "
-        "requests are routed here; in-flight requests continue.",
+        "engine for any request, while Health may still say READY); or the registration watchdog found a discovery "
+        "entry of this worker it cannot write back. The endpoint instance is withdrawn so no new requests are "
+        "routed here; in-flight requests continue.",
         operator_sees="A warning with the reason (health state, RPC error, 'the engine is going away', 'engine not "
-        "producing'); /health 503; traffic moves to other workers, or new requests get 503 if there are none.",
+        "producing'), or an error naming the discovery entry that cannot be published again; /health 503; traffic "
+        "moves to other workers, or new requests get 503 if there are none.",
         action="Check the engine (overload, GPU error, model reload, a wedged generation loop). The worker "
         "re-registers by itself when Health is READY again -- after 'engine not producing', when a one-token canary "
-        "generation is answered; after a GOAWAY, when the engine is back.",
+        "generation is answered; after a GOAWAY, when the engine is back. For a discovery entry: free its path "
+        "(permissions, something else holding it); the watchdog restores it at its next check and the worker "
+        "serves again, or exits 1 after 12 failed checks.",
     ),
     "reconnecting": StateDoc(
         meaning="The connection to the engine was lost, or a restarted engine answers (a new instance id); "

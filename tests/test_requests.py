@@ -30,7 +30,7 @@ from sidecar.errors import (
     Violation,
     WorkerDraining,
 )
-from sidecar.requests import CANARY_PAYLOAD, HungEngine, RequestServer, ServingContext
+from sidecar.requests import HungEngine, RequestServer, ServingContext
 from tests.helpers.scripted_engine import (
     RID,
     Recorder,
@@ -224,17 +224,28 @@ async def test_a_worker_that_is_not_serving_sends_requests_elsewhere(autojump_cl
         await collect(server, request())
 
 
-async def test_the_health_canary_is_answered_without_a_generation(autojump_clock: trio.testing.MockClock) -> None:
-    engine = ScriptedEngine([])
-    chunks = await collect(make_server(engine), dict(CANARY_PAYLOAD))
-    assert chunks == [
-        {
-            "token_ids": [],
-            "finish_reason": "stop",
-            "completion_usage": {"prompt_tokens": 1, "completion_tokens": 0, "total_tokens": 1},
-        }
-    ]
-    assert engine.opened == []
+async def test_the_debug_line_of_a_request_shows_its_shape_never_its_prompt(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Failed before: the whole request was dumped at debug, prompt token ids included (ids decode back to the
+    prompt); stop strings and guides are client text too."""
+    engine = ScriptedEngine([(0.0, [token(0, 1), finished(0)])])
+    prompt = [90210 + i for i in range(7)]
+    body = {
+        "token_ids": prompt,
+        "stop_conditions": {"max_tokens": 4, "min_tokens": 1, "ignore_eos": False, "stop": ["a secret stop"]},
+        "sampling_options": {"temperature": 0.5, "seed": 11, "guided_decoding": {"json": {"secret_key": "x"}}},
+    }
+    # This engine advertises no guided decoding: the request is refused, after its debug line.
+    with caplog.at_level(logging.DEBUG, logger="sidecar.requests"), pytest.raises(RequestRejected):
+        await collect(make_server(engine), body)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"request {RID}: ")]
+    assert line == (
+        f"request {RID}: prompt 7 tokens; sampling {{temperature=0.5, seed=11, guided json}}; "
+        "stop {max_tokens=4, min_tokens=1, ignore_eos=False, stop ×1}"
+    )
+    for secret in ("90210", "secret"):
+        assert all(secret not in r.getMessage() for r in caplog.records), secret
 
 
 async def test_trace_headers_reach_the_engine_metadata(autojump_clock: trio.testing.MockClock) -> None:

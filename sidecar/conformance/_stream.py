@@ -208,6 +208,42 @@ def _stop_choice(tokens: Sequence[int]) -> tuple[int, int] | None:
     return None
 
 
+_IGNORE_EOS_VARIANT = "ignore_eos drops every stop word (TensorRT-LLM's SamplingParams; trtllm §6)"
+
+
+def _stop_request(ctx: Context, tag: str, position: int, *, ignore_eos: bool) -> generation_pb2.GenerateRequest:
+    """The baseline's request with a stop condition still to add, shaped so the stop rule is observable.
+
+    The baseline sets ``ignore_eos``, which TensorRT-LLM maps to a SamplingParams that drops every stop word too
+    (trtllm §6), so a stop sent with it would prove nothing there. Without it the greedy output may end at EOS before
+    the stop position; ``min_tokens = position`` holds EOS back up to there (the same redraws ``ignore_eos`` made in
+    the baseline) and lets the stop fire where the baseline generated it.
+    """
+    if ignore_eos:
+        return ctx.request(tag)
+    request = ctx.request(tag, ignore_eos=None)
+    request.stopping.min_tokens = position
+    return request
+
+
+async def _ignore_eos_probe(
+    ctx: Context, tag: str, condition: generation_pb2.StopCondition, stop_at: int
+) -> tuple[bool, str]:
+    """The stop with ``ignore_eos`` as well: (stopped there, evidence). Running on to LENGTH is the known variant."""
+    request = _stop_request(ctx, tag, stop_at, ignore_eos=True)
+    request.stopping.conditions.append(condition)
+    obs = await ctx.observe(request)
+    finished = _final_finished(obs)
+    if finished is None:
+        raise FailCheck(f"the stop with ignore_eos: {_describe(obs)}")
+    if finished.reason == generation_pb2.FINISH_REASON_STOP:
+        return True, "honoured with ignore_eos too"
+    got = len(assemble(obs)[0])
+    if finished.reason == generation_pb2.FINISH_REASON_LENGTH and got > stop_at:
+        return False, f"with ignore_eos it ran on ({got} tokens, LENGTH): {_IGNORE_EOS_VARIANT}"
+    raise FailCheck(f"the stop with ignore_eos: {_describe(obs)}")
+
+
 @check(
     "stream.stop_token",
     "a stop_token_id ends the output where it is generated: STOP with stop_match.stop_token_id",
@@ -220,15 +256,19 @@ async def stop_token(ctx: Context) -> Outcome:
     if choice is None:
         raise SkipCheck(f"the baseline's tokens {tokens} offer no token to stop at")
     position, token_id = choice
-    request = ctx.request("stop-token")
-    request.stopping.conditions.add(stop_token_id=token_id)
+    condition = generation_pb2.StopCondition(stop_token_id=token_id)
+    request = _stop_request(ctx, "stop-token", position, ignore_eos=False)
+    request.stopping.conditions.append(condition)
     obs = await ctx.observe(request)
     got, _ = assemble(obs)
     finished = _final_finished(obs)
     if finished is None:
         raise FailCheck(f"stop_token_id {token_id}: {_describe(obs)}")
     if got[:position] != tokens[: min(position, len(got))]:
-        raise SkipCheck(f"greedy output differs from the baseline ({got} vs {tokens}): not reproducible here")
+        raise SkipCheck(
+            f"greedy output with min_tokens {position} differs from the baseline ({got} vs {tokens}): "
+            "not reproducible here"
+        )
     if finished.reason != generation_pb2.FINISH_REASON_STOP:
         raise FailCheck(f"stop_token_id {token_id} (baseline position {position}): {_describe(obs)}, tokens {got}")
     if finished.stop_match.WhichOneof("match") != "stop_token_id" or finished.stop_match.stop_token_id != token_id:
@@ -236,17 +276,27 @@ async def stop_token(ctx: Context) -> Outcome:
     completion = _completion(obs)
     if len(got) > position + 1 or (completion is not None and completion > position + 1):
         raise FailCheck(f"stop_token_id {token_id} at position {position}: output went on ({got})")
-    return Outcome.passed(f"stop_token_id {token_id} (position {position}): STOP after {len(got)} tokens")
+    evidence = f"stop_token_id {token_id} (position {position}): STOP after {len(got)} tokens"
+    honoured, note = await _ignore_eos_probe(ctx, "stop-token-ignore-eos", condition, position)
+    evidence += f"; {note}"
+    return Outcome.passed(evidence) if honoured else Outcome.variant(evidence)
 
 
-def _stop_text_choice(text: str) -> tuple[str, str] | None:
-    """(stop string, the baseline's text before it): a later word of the output, first occurring there."""
+def _stop_text_choice(text: str) -> tuple[str, str, int] | None:
+    """(stop string, the baseline's text before it, its word number): a later word of the output with the space
+    before it, first occurring there.
+
+    The space belongs to the stop string because TensorRT-LLM matches a stop string as its token ids at the end of
+    the output (trtllm §7 'Stop handling'), and a word's token carries its leading space: ``"old"`` never matches the
+    generated ``" old"``, while ``" old"`` does on every engine, whether it matches ids or text.
+    """
     position = 0
     for number, word in enumerate(text.split()):
         position = text.index(word, position)
-        candidate = "".join(ch for ch in word if ch.isalnum())
-        if number >= 2 and len(candidate) >= 2 and candidate not in text[:position]:
-            return candidate, text[: text.index(candidate, position)]
+        candidate = word[: next((i for i, ch in enumerate(word) if not ch.isalnum()), len(word))]
+        stop = " " + candidate
+        if number >= 2 and len(candidate) >= 2 and text[position - 1 : position] == " " and stop not in text[:position]:
+            return stop, text[: position - 1], number
         position += len(word)
     return None
 
@@ -261,16 +311,22 @@ async def stop_text(ctx: Context) -> Outcome:
     choice = _stop_text_choice(assemble(base)[1])
     if choice is None:
         raise SkipCheck(f"the baseline's text {assemble(base)[1]!r} offers no stop string")
-    stop, before = choice
-    request = ctx.request("stop-text")
-    request.stopping.conditions.add(stop_text=stop)
+    stop, before, word = choice
+    # Hold EOS back up to the word's first possible token (the output's first token is a word at most).
+    at = max(1, word)
+    condition = generation_pb2.StopCondition(stop_text=stop)
+    request = _stop_request(ctx, "stop-text", at, ignore_eos=False)
+    request.stopping.conditions.append(condition)
     obs = await ctx.observe(request)
     finished = _final_finished(obs)
     _, text = assemble(obs)
     if finished is None:
         raise FailCheck(f"stop_text {stop!r}: {_describe(obs)}")
     if not (text.startswith(before.rstrip()) or before.startswith(text)):
-        raise SkipCheck(f"greedy output differs from the baseline ({text!r} vs {before!r}…): not reproducible here")
+        raise SkipCheck(
+            f"greedy output with min_tokens {at} differs from the baseline ({text!r} vs {before!r}…): "
+            "not reproducible here"
+        )
     if finished.reason != generation_pb2.FINISH_REASON_STOP:
         raise FailCheck(f"stop_text {stop!r}: {_describe(obs)}, text {text!r}")
     if finished.stop_match.WhichOneof("match") != "stop_text" or finished.stop_match.stop_text != stop:
@@ -279,15 +335,17 @@ async def stop_text(ctx: Context) -> Outcome:
         raise FailCheck(f"stop_text {stop!r} appears in the output {text!r} without include_stop_in_output")
     evidence = f"stop_text {stop!r}: STOP, output {text!r} withholds it"
     if ctx.advertised("supports_stop_in_output"):
-        request = ctx.request("stop-text-kept")
-        request.stopping.conditions.add(stop_text=stop)
+        request = _stop_request(ctx, "stop-text-kept", at, ignore_eos=False)
+        request.stopping.conditions.append(condition)
         request.stopping.include_stop_in_output = True
         kept = await ctx.observe(request)
         kept_text = assemble(kept)[1]
         if stop not in kept_text:
             raise FailCheck(f"stop_text {stop!r} with include_stop_in_output: output {kept_text!r} lacks it")
         evidence += "; kept with include_stop_in_output"
-    return Outcome.passed(evidence)
+    honoured, note = await _ignore_eos_probe(ctx, "stop-text-ignore-eos", condition, at)
+    evidence += f"; {note}"
+    return Outcome.passed(evidence) if honoured else Outcome.variant(evidence)
 
 
 @check(

@@ -21,8 +21,9 @@ from grpclib.const import Status
 from grpclib.encoding.proto import ProtoCodec
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.protocol import H2Protocol
-from h2.connection import ConnectionState
+from h2.errors import ErrorCodes
 from h2.events import ConnectionTerminated
+from hyperframe.frame import GoAwayFrame
 
 from openengine.v1 import generation_pb2, openengine_grpc
 
@@ -93,13 +94,27 @@ class _RecordingProtocol(H2Protocol):
             )
             if not self._channel.tolerate_goaway:
                 close_on_goaway(event)
-                return
-            # h2 moves the whole connection to CLOSED on a received GOAWAY and then refuses the DATA of the streams the
-            # GOAWAY lets finish (and the WINDOW_UPDATEs acknowledging it). Reopen it: this channel opens no new
-            # stream after a GOAWAY, it only keeps reading (h2 4.x, pinned with grpclib 0.4.9).
-            self.connection._connection.state_machine.state = ConnectionState.CLIENT_OPEN
 
         processors[ConnectionTerminated] = on_goaway
+        if self._channel.tolerate_goaway:
+            # h2's own GOAWAY handler moves the whole connection to CLOSED, after which it refuses every later frame:
+            # the DATA of the streams the GOAWAY lets finish, and the PING grpc-core sends in the same write as its
+            # first GOAWAY (a ProtocolError that drops the connection before any handler could reopen it). This
+            # channel opens no new stream after a GOAWAY, it only keeps reading (h2 4.x, pinned with grpclib 0.4.9).
+            # The dispatch table holds bound methods, hence replaced per connection.
+            self.connection._connection._frame_dispatch_table[GoAwayFrame] = _goaway_event
+
+
+def _goaway_event(frame: GoAwayFrame) -> tuple[list[Any], list[Any]]:
+    """A received GOAWAY as h2's event, without h2's move to ``CLOSED`` (no frames to send, one event)."""
+    event = ConnectionTerminated()
+    try:
+        event.error_code = ErrorCodes(frame.error_code)
+    except ValueError:
+        event.error_code = frame.error_code
+    event.last_stream_id = frame.last_stream_id
+    event.additional_data = frame.additional_data or None
+    return [], [event]
 
 
 class KitChannel(Channel):

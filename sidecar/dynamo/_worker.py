@@ -169,11 +169,9 @@ class DynamoWorker:
         return self._registration
 
     async def register(self, reg: Registration) -> None:
-        """Publish the model card. Idempotent: registering again (same or changed card) rewrites it in place.
-
-        The card is ours to publish from now on even when this write fails: :meth:`republish` then writes it."""
-        self._registration = reg
+        """Publish the model card. Idempotent: registering again (same or changed card) rewrites it in place."""
         await self._edge.run(b.register, self._endpoint, reg)
+        self._registration = reg
         await self._hold()
 
     async def register_lora(self, lora_name: str) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 import sys
@@ -19,25 +18,6 @@ from tests.mock.conftest import MockProcess
 KIT_BOUNDS = ("--rpc-timeout", "20", "--settle-secs", "15")
 #: A realistic-but-fast model speed: a long request lasts a few seconds (holds stay open), short ones milliseconds.
 MOCK_SPEED = ("--decode-ms-per-token", "1")
-NEEDS_MOCK_BRANCH = "needs the mock branch"
-
-
-@functools.cache
-def mock_help() -> str:
-    """``openengine-mock --help`` (to skip the tests of flags this checkout's mock does not have yet)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "sidecar.testing.mock", "--help"], capture_output=True, text=True, timeout=60
-    )
-    return done.stdout
-
-
-def mock_has(flag: str) -> bool:
-    return flag in mock_help()
-
-
-def require_mock_flag(flag: str) -> None:
-    if not mock_has(flag):
-        pytest.skip(f"{NEEDS_MOCK_BRANCH}: openengine-mock has no {flag} yet")
 
 
 def start_mock(directory: Path, *args: str, name: str = "mock") -> MockProcess:

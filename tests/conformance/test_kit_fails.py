@@ -15,8 +15,11 @@ ONLY = ("--only", "discovery", "--only", "control.health", "--only", "kv.sequenc
 
 
 def test_broken_rules_fail_exactly_their_checks(mock_factory: MockFactory, capsys: pytest.CaptureFixture[str]) -> None:
+    # The capacity and KV event rules need what only the richer engine advertises (capacity, SubscribeKvEvents).
     mock = mock_factory(
         *MOCK_SPEED,
+        "--profile",
+        "full",
         "--schema-release",
         "main",
         "--max-output-tokens",
@@ -60,7 +63,7 @@ def test_kv_event_breaches_fail_the_sequence_check(
     check_id: str,
     evidence: str,
 ) -> None:
-    mock = mock_factory(*MOCK_SPEED, *flags)
+    mock = mock_factory(*MOCK_SPEED, "--profile", "full", *flags)
     run = run_kit(capsys, "--engine", mock.address, "--json", *ONLY)
     assert run.code == 1
     fails = failed(run)

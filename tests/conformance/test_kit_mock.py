@@ -16,20 +16,26 @@ from .conftest import MOCK_SPEED, MockFactory, failed, run_kit
 
 ALL_IDS = [c.id for c in selected_checks()]
 
-#: Today's default mock: what it does differently from the letter of the wire reference, or does not offer.
+#: The default mock (``--profile trtllm``, TensorRT-LLM's merged server): where it differs from the letter of the wire
+#: reference in a known way (docs/mock.md's profile table says why for each).
 DEFAULT_VARIANTS = {
-    "discovery.limits",  # max_output_tokens unset
+    "discovery.schema_release",  # a 12-hex prefix of the release
+    "discovery.role",  # UNSPECIFIED: the phase is chosen per request
+    "discovery.unknown_model",  # any model name is served
+    "discovery.limits",  # max_output_tokens = the window
     "validation.both_inputs",  # protobuf keeps the last member of the oneof
-    "stream.max_tokens_over_window",  # refuses
-    "abort.unknown_id",  # ALREADY_FINISHED, as TensorRT-LLM
+    "stream.stop_token",  # ignore_eos drops every stop word
+    "stream.stop_text",  # ditto
+    "stream.max_tokens_over_window",  # clamped to the window
+    "abort.unknown_id",  # ALREADY_FINISHED
 }
 DEFAULT_SKIPS = {
-    "discovery.kv_connector",
+    "kv.sources",  # both KV event RPCs UNIMPLEMENTED
+    "kv.snapshot",
+    "kv.sequence",
     "lora.controls",
     "lora.lifecycle",
-    "disagg.prefill_ready",
-    "disagg.decode",
-    "stop.graceful",
+    "stop.graceful",  # destructive: only with --include-stop
 }
 
 
@@ -44,6 +50,12 @@ def test_the_default_mock_passes_every_check(default_mock: MockProcess, capsys: 
     # The n = 2 stream is among those judged (usage_on_every_finish shows only there).
     assert "1 with n > 1" in run.evidence("stream.usage_on_last")
     assert "running_requests 0" in run.evidence("abort.mid_stream")
+    # The stops themselves are honoured (STOP where asked, the stop trimmed); only with ignore_eos do they lapse.
+    assert "stop_token_id 336 (position 2): STOP after 2 tokens; with ignore_eos it ran on" in run.evidence(
+        "stream.stop_token"
+    )
+    assert "stop_text ' old': STOP, output '. The' withholds it" in run.evidence("stream.stop_text")
+    assert "ignore_eos drops every stop word" in run.evidence("stream.stop_text")
 
 
 def test_json_shape(default_mock: MockProcess, capsys: pytest.CaptureFixture[str]) -> None:
@@ -54,8 +66,8 @@ def test_json_shape(default_mock: MockProcess, capsys: pytest.CaptureFixture[str
     assert report["ok"] is True
     server = report["server"]
     assert isinstance(server, dict)
-    assert server["engine_name"] == "openengine-mock"
-    assert server["engine_role"] == "AGGREGATED"
+    assert server["engine_name"] == "tensorrt_llm"
+    assert server["engine_role"] == "UNSPECIFIED"
     checks = report["checks"]
     assert isinstance(checks, list)
     assert [c["id"] for c in checks] == [i for i in ALL_IDS if i.startswith(("discovery.", "abort."))]
@@ -79,7 +91,7 @@ def test_text_output_is_one_line_per_check_and_the_totals(
     run = run_kit(capsys, "--engine", default_mock.address, "--only", "validation")
     lines = run.out.strip().splitlines()
     ids = [i for i in ALL_IDS if i.startswith("validation.")]
-    assert lines[0].startswith(f"engine {default_mock.address}: openengine-mock")
+    assert lines[0].startswith(f"engine {default_mock.address}: tensorrt_llm")
     assert [line.split()[1] for line in lines[1:-1]] == ids
     assert all(re.match(r"^(PASS|VARIANT|FAIL|SKIP) ", line) for line in lines[1:-1])
     assert all(line.endswith("]") for line in lines[1:-1]), "each line cites its rule"
@@ -90,8 +102,8 @@ def test_markdown_table(default_mock: MockProcess, capsys: pytest.CaptureFixture
     run = run_kit(capsys, "--engine", default_mock.address, "--markdown", "--only", "discovery.role")
     assert run.code == 0
     assert "| `discovery.role` | engine_role is a v0.1.0 value" in run.out
-    assert "| pass | ENGINE_ROLE_AGGREGATED |" in run.out
-    assert run.out.strip().endswith("1 passed, 0 failed, 0 skipped")
+    assert "| variant | ENGINE_ROLE_UNSPECIFIED: phase per request" in run.out
+    assert run.out.strip().endswith("1 passed, 0 failed, 0 skipped (1 of the passes are known variants)")
 
 
 def test_a_richer_mock_passes_lora_and_the_known_variants(
@@ -99,6 +111,8 @@ def test_a_richer_mock_passes_lora_and_the_known_variants(
 ) -> None:
     mock = mock_factory(
         *MOCK_SPEED,
+        "--profile",
+        "full",
         "--role",
         "unspecified",
         "--schema-release",
@@ -121,6 +135,9 @@ def test_a_richer_mock_passes_lora_and_the_known_variants(
     assert verdicts["discovery.role"] == "variant"
     assert verdicts["discovery.schema_release"] == "variant"
     assert "= the window" in run.evidence("discovery.limits")
+    # The richer engine matches stops on text and keeps them with ignore_eos.
+    assert verdicts["stream.stop_token"] == verdicts["stream.stop_text"] == "pass"
+    assert "honoured with ignore_eos too" in run.evidence("stream.stop_text")
     # guided=true advertises JSON_OBJECT and CHOICE: the other guide modes are still probed.
     assert "guided json_schema" in run.evidence("validation.unadvertised_feature")
     assert "guided choice" not in run.evidence("validation.unadvertised_feature")

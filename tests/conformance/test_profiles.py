@@ -1,9 +1,5 @@
 """The mock in each of its configurations passes the whole kit, and the docs' result table says so; a mock that
-breaks one stream rule on every Generate fails exactly the matching check.
-
-The profile columns, ``--fault-violation`` and ``--uds`` need the mock's next flags; until this checkout's
-``openengine-mock --help`` lists them those tests skip ("needs the mock branch").
-"""
+breaks one stream rule on every Generate fails exactly the matching check."""
 
 from __future__ import annotations
 
@@ -11,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import MOCK_SPEED, MockFactory, failed, mock_has, require_mock_flag, run_kit
+from .conftest import MOCK_SPEED, MockFactory, failed, run_kit
 from .doc_table import DOC, Column, columns, read_table, run_column, verdicts
 
 
@@ -50,20 +46,18 @@ FAULTS = {
 }
 
 
+@pytest.mark.parametrize("profile", ["trtllm", "full"])
 @pytest.mark.parametrize(("kind", "check_id"), FAULTS.items(), ids=list(FAULTS))
 def test_a_fault_violation_fails_exactly_its_check(
-    kind: str, check_id: str, mock_factory: MockFactory, capsys: pytest.CaptureFixture[str]
+    kind: str, check_id: str, profile: str, mock_factory: MockFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    require_mock_flag("--fault-violation")
-    profile = ("--profile", "full") if mock_has("--profile") else ()
-    mock = mock_factory(*MOCK_SPEED, *profile, "--fault-violation", kind)
+    mock = mock_factory(*MOCK_SPEED, "--profile", profile, "--fault-violation", kind)
     run = run_kit(capsys, "--engine", mock.address, "--json")
     assert run.code == 1
     assert list(failed(run)) == [check_id], failed(run)
 
 
 def test_a_unix_socket_engine(mock_factory: MockFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    require_mock_flag("--uds")
     path = tmp_path / "engine.sock"
     mock_factory(*MOCK_SPEED, "--uds", str(path))
     run = run_kit(capsys, "--engine", f"unix://{path}", "--json", "--only", "discovery", "--only", "stream")
@@ -74,7 +68,6 @@ def test_a_unix_socket_engine(mock_factory: MockFactory, tmp_path: Path, capsys:
 def test_the_graceful_stop_sees_goaway_with_grace(
     mock_factory: MockFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    require_mock_flag("--stop-grace-secs")
     mock = mock_factory("--decode-ms-per-token", "5", "--stop-grace-secs", "5")
     stop = f"kill -TERM {mock.proc.pid}"
     run = run_kit(

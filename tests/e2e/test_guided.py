@@ -25,9 +25,9 @@ from tests.helpers.stack import MODEL, engine_and_worker, mock_stats
 pytestmark = pytest.mark.e2e
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the weather by the river?"}]
-#: What the mock must advertise for these requests to reach it. TODO(merge): once the mock's default profile
-#: advertises TensorRT-LLM's guided modes, drop this (start the engine with no flags, as the demo does).
-GUIDED_FLAGS = ("--capability", "guided=true")
+#: What the mock needs for these requests to reach it: nothing -- its default profile advertises TensorRT-LLM's
+#: guided modes (xgrammar), as the demo engine does.
+GUIDED_FLAGS: tuple[str, ...] = ()
 
 
 class Day(pydantic.BaseModel):

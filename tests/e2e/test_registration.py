@@ -72,10 +72,13 @@ def published(root: Path) -> set[str]:
 
 
 async def worker_metric(http: httpx.AsyncClient, worker: Worker, name: str) -> float:
-    """An unlabelled counter of the worker's own (``openengine_sidecar_<name>_total``) from its system port."""
+    """A counter of the worker's own (``openengine_sidecar_<name>_total``, one series: Dynamo's labels on it) from its
+    system port."""
     text = (await http.get(f"{worker.system_url}/metrics")).text
-    match = re.search(rf"^openengine_sidecar_{name}_total (\S+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+    match = re.search(rf"^openengine_sidecar_{name}_total(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
+    # Every counter is exported from the start (at 0): a missing one means this pattern no longer reads the page.
+    assert match, f"openengine_sidecar_{name}_total is not on {worker.system_url}/metrics"
+    return float(match.group(1))
 
 
 async def served(http: httpx.AsyncClient, worker: Worker) -> int:

@@ -7,15 +7,10 @@
 * Item 8: ``extra.detokenize=false`` reaches the engine (``engine_name == "tensorrt_llm"``), the output is the same
   with and without it, and the engine's detokenization work drops to zero.
 * Item 7: an engine whose GetLoad carries ``running_requests`` only still gets load published to Dynamo.
-
-These need the mock's ``--split-finish-ms``, ``--detokenize-cost-us`` and TensorRT-LLM profile; the module is
-skipped while ``openengine-mock --help`` does not list them.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from typing import Any
 
 import httpx
@@ -27,26 +22,7 @@ from tests.helpers.stack import metric_sum, mock_stats, start_engine, start_side
 
 from ._natural import PROMPTS, natural_stops, run_all, worker_metrics
 
-
-def _mock_help() -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "sidecar.testing.mock", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    return done.stdout
-
-
-_HELP = _mock_help()
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        not all(flag in _HELP for flag in ("--split-finish-ms", "--detokenize-cost-us", "--profile")),
-        reason="needs the mock branch",
-    ),
-]
+pytestmark = pytest.mark.e2e
 
 # ------------------------------------------------------------------- item 1: a complete answer is a finish
 

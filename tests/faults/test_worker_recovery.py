@@ -9,8 +9,9 @@
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -36,7 +37,8 @@ from openengine_bp.openengine.v1 import (
     ServerInfo,
 )
 from sidecar.cli import parse_config
-from sidecar.dynamo import RequestContext, RestoreReport
+from sidecar.dynamo import RequestContext
+from sidecar.dynamo._entries import Entry, RestoreReport
 from sidecar.engine import PINNED_SCHEMA_RELEASE
 from sidecar.errors import EngineRpcError, GrpcCode, WorkerDraining
 from sidecar.kv import RoutingConfig
@@ -59,15 +61,15 @@ class Engine:
         self.guided = False
         self.context = 256
         self.producing = True
+        #: Health READY (else NOT_READY) while up.
+        self.ready = True
         self.generates: list[str] = []
         self.aborts: list[str] = []
         #: Virtual time the engine came back after being down (set by :meth:`restart`).
         self.back_at: float | None = None
-        #: The client's GOAWAY state (``EngineClient.going_away``): this engine never sends one.
-        self.going_away: str | None = None
-
-    def on_going_away(self, listener: Any) -> None:
-        pass
+        #: The going-away listeners the worker registered (``EngineClient.on_going_away``); this engine never
+        #: sends GOAWAY (its outages are refused connections), so they are only kept.
+        self.going_away_listeners: list[Callable[[str], None]] = []
 
     def restart(self, *, instance: str, guided: bool | None = None, context: int | None = None) -> None:
         self.instance = instance
@@ -77,6 +79,21 @@ class Engine:
             self.context = context
         self.up = True
         self.back_at = trio.current_time()
+
+    # EngineClient's going-away API (GOAWAY), as a client whose engine never says it is going away has it.
+    @property
+    def going_away(self) -> str | None:
+        return None
+
+    @property
+    def draining_connections(self) -> int:
+        return 0
+
+    def on_going_away(self, listener: Callable[[str], None]) -> None:
+        self.going_away_listeners.append(listener)
+
+    async def wait_drained(self, timeout_s: float = math.inf) -> None:
+        await trio.lowlevel.checkpoint()
 
     async def _rpc(self, name: str) -> None:
         await trio.lowlevel.checkpoint()
@@ -109,7 +126,7 @@ class Engine:
 
     async def health(self, *args: Any, timeout_s: float | None = None, **kw: Any) -> HealthResponse:
         await self._rpc("Health")
-        return HealthResponse(state=HealthState.READY)
+        return HealthResponse(state=HealthState.READY if self.ready else HealthState.NOT_READY)
 
     async def get_load(self, include_per_rank: bool = False, *, timeout_s: float | None = None) -> LoadInfo:
         await self._rpc("GetLoad")
@@ -147,11 +164,19 @@ class Engine:
 
 
 class Dynamo:
-    """The worker's Dynamo side: what was withdrawn, restored and registered, when."""
+    """The worker's Dynamo side: what was withdrawn, restored and registered, when; and discovery entries that cannot
+    be written (``unwritable``: ``"instance"``, ``"card"`` or another entry's name), as file discovery refuses a
+    write whose path someone else took."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[float, str, Any]] = []
         self.routable = True
+        self.unwritable: set[str] = set()
+
+    def _write(self, what: str) -> None:
+        if what in self.unwritable:
+            self.calls.append((trio.current_time(), f"{what} refused", None))
+            raise OSError(f"discovery: cannot write the {what}")
 
     async def withdraw(self) -> None:
         await trio.lowlevel.checkpoint()
@@ -160,15 +185,38 @@ class Dynamo:
 
     async def restore(self) -> None:
         await trio.lowlevel.checkpoint()
+        self._write("instance")
         self.routable = True
         self.calls.append((trio.current_time(), "restore", None))
 
     async def register(self, registration: Any) -> None:
         await trio.lowlevel.checkpoint()
+        self._write("card")
         self.calls.append((trio.current_time(), "register", registration))
+
+    async def republish(self, *, restore_instance: bool = False) -> RestoreReport:
+        """The registration watchdog's check: every entry that cannot be written fails it; otherwise a withdrawn
+        instance is put back when asked."""
+        await trio.lowlevel.checkpoint()
+        report = RestoreReport()
+        if self.unwritable:
+            for what in sorted(self.unwritable):
+                entry = Entry("instance" if what == "instance" else "card", Path(what), what)
+                report.lost.append(entry)
+                report.failed.append((entry, "path taken"))
+        elif restore_instance and not self.routable:
+            entry = Entry("instance", Path("instance"), "instance generate")
+            report.lost.append(entry)
+            report.restored.append(entry)
+            self.routable = True
+            self.calls.append((trio.current_time(), "restore", None))
+        return report
 
     def names(self) -> list[str]:
         return [name for _, name, _ in self.calls]
+
+    def is_routable(self) -> bool:
+        return self.routable
 
 
 class Sink:
@@ -431,6 +479,89 @@ async def test_a_hung_engine_withdraws_the_worker_at_the_first_timeout_and_a_can
     assert set(engine.aborts) >= set(canaries[:-1]), "every canary left unanswered was aborted"
 
 
+# ------------------------------------------- the engine lost while the registration watchdog holds the worker out
+
+
+@pytest.mark.parametrize(
+    "unwritable",
+    [{"event source"}, {"instance", "card"}],
+    ids=["another entry unwritable", "instance and card unwritable"],
+)
+async def test_an_engine_lost_while_the_registration_watchdog_holds_the_worker_out_keeps_it_out(
+    autojump_clock: Clock, transitions: list[tuple[float, str, str]], unwritable: set[str]
+) -> None:
+    """Failed before: the rediscovery after the engine loss restored the instance regardless -- routable again while
+    an entry was still unwritable (until the next check withdrew it), or, when the instance or card itself could not
+    be written, the unguarded write raised out of the health watch and took the worker down."""
+    engine, dynamo = Engine(), Dynamo()
+    worker = await serving_worker(engine, dynamo, "--registration-check-interval-secs", "2")
+    async with trio.open_nursery() as nursery:
+        await run_watchers(nursery, worker, engine, dynamo)
+        nursery.start_soon(worker._watch_registration, dynamo)  # type: ignore[arg-type]
+        dynamo.unwritable = set(unwritable)
+        with trio.fail_after(10):
+            while state(worker) != "degraded":
+                await trio.sleep(0.05)
+        assert not dynamo.is_routable()
+        lost_at = trio.current_time()
+        engine.up = False
+        with trio.fail_after(30):
+            while state(worker) != "reconnecting":
+                await trio.sleep(0.05)
+        engine.restart(instance="engine-2")
+        # Back from the engine loss, but still out of routing: the watchdog holds it out until it can write.
+        with trio.fail_after(30):
+            while not any(e == "reconnected" for t, e, _ in transitions if t > lost_at):
+                await trio.sleep(0.05)
+        await trio.sleep(10)
+        assert state(worker) == "degraded"
+        assert not dynamo.is_routable()
+        assert not [t for t, name, _ in dynamo.calls if name == "restore" and t > lost_at]
+        assert worker._fatal.is_set() is False
+        # Writable again: the next check restores everything and the worker serves the new engine.
+        dynamo.unwritable.clear()
+        with trio.fail_after(10):
+            while state(worker) != "serving":
+                await trio.sleep(0.05)
+        assert dynamo.is_routable()
+        assert (await complete(worker, body(), "after"))[-1]["finish_reason"] == "length"
+        nursery.cancel_scope.cancel()
+    assert worker._discovery is not None
+    assert worker._discovery.caps.instance_id == "engine-2"
+    assert [d for _, e, d in transitions if e in ("registered", "degrade")][-1] == "serving"
+
+
+async def test_an_instance_that_cannot_be_written_when_health_recovers_leaves_the_worker_to_the_watchdog(
+    autojump_clock: Clock,
+) -> None:
+    """Failed before: the health watch's recovery restored the instance unguarded; a refused write raised out of the
+    watch and ended the worker. Now the worker stays out of routing until the watchdog can write the instance."""
+    engine, dynamo = Engine(), Dynamo()
+    worker = await serving_worker(engine, dynamo, "--registration-check-interval-secs", "2")
+    async with trio.open_nursery() as nursery:
+        await run_watchers(nursery, worker, engine, dynamo)
+        nursery.start_soon(worker._watch_registration, dynamo)  # type: ignore[arg-type]
+        engine.ready = False
+        with trio.fail_after(30):
+            while state(worker) != "degraded":
+                await trio.sleep(0.05)
+        dynamo.unwritable = {"instance"}
+        engine.ready = True
+        with trio.fail_after(30):
+            while not any(name == "instance refused" for _, name, _ in dynamo.calls):
+                await trio.sleep(0.05)
+        await trio.sleep(5)
+        assert state(worker) == "degraded"
+        assert not dynamo.is_routable()
+        dynamo.unwritable.clear()
+        with trio.fail_after(10):
+            while state(worker) != "serving":
+                await trio.sleep(0.05)
+        assert dynamo.is_routable()
+        assert (await complete(worker, body(), "after"))[-1]["finish_reason"] == "length"
+        nursery.cancel_scope.cancel()
+
+
 class PrefillEngine(Engine):
     """An engine that reports the prefill role (``openengine-mock --profile full --role prefill``): a plain
     generation is refused with FAILED_PRECONDITION; its Health runs a role-appropriate inference probe on request."""
@@ -494,58 +625,3 @@ async def test_a_stalled_prefill_engine_is_probed_the_way_its_role_allows_and_th
     assert engine.probes >= 2
     assert not [rid for rid in engine.generates if rid.startswith("openengine-sidecar-canary-")]
     assert dynamo.names()[-1] == "restore"
-
-
-class LosingDynamo(Dynamo):
-    """Discovery that loses its directories: the next ``fail_registers`` card writes fail as file discovery's do
-    after ``rm -rf "$DYN_FILE_KV"/v1/*``; the registration watchdog's republish puts everything back."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fail_registers = 0
-        self.withdrawn = False
-
-    async def register(self, registration: Any) -> None:
-        if self.fail_registers:
-            self.fail_registers -= 1
-            await trio.lowlevel.checkpoint()
-            raise Exception("Internal filesystem error: No such file or directory (os error 2)")
-        await super().register(registration)
-
-    async def republish(self, *, restore_instance: bool = False) -> RestoreReport:
-        await trio.lowlevel.checkpoint()
-        self.calls.append((trio.current_time(), "republish", restore_instance))
-        self.routable = True
-        return RestoreReport()
-
-
-async def test_a_registration_that_cannot_be_written_when_the_engine_is_back_leaves_the_worker_withdrawn_not_dead(
-    autojump_clock: Clock, transitions: list[tuple[float, str, str]]
-) -> None:
-    """Found by ``bench.chaos`` (the discovery tree deleted while the engine restarted): writing the model card
-    again failed ("Internal filesystem error") and the error escaped the reconnect: the worker exited 1 with a
-    traceback. Now the worker stays withdrawn (degraded) and the registration watchdog publishes everything again."""
-    engine, dynamo = Engine(), LosingDynamo()
-    worker = await serving_worker(engine, dynamo, "--registration-check-interval-secs", "2")
-    transitions.clear()
-    async with trio.open_nursery() as nursery:
-        await run_watchers(nursery, worker, engine, dynamo)
-        nursery.start_soon(worker._watch_registration, dynamo)  # type: ignore[arg-type]
-        engine.up = False
-        with trio.fail_after(30):
-            while state(worker) != "reconnecting":
-                await trio.sleep(0.05)
-        dynamo.fail_registers = 1
-        engine.restart(instance="engine-2")
-        with trio.fail_after(30):
-            while state(worker) != "degraded":
-                await trio.sleep(0.05)
-        with trio.fail_after(30):
-            while state(worker) != "serving":
-                await trio.sleep(0.05)
-        nursery.cancel_scope.cancel()
-    events = [e for _, e, _ in transitions if e in ("engine_lost", "reconnected", "degrade", "recover", "registered")]
-    assert events == ["engine_lost", "reconnected", "degrade", "recover", "registered"]
-    assert ("republish", True) in [(name, arg) for _, name, arg in dynamo.calls]
-    assert worker.requests.serving is not None
-    assert worker.requests.serving.caps.instance_id == "engine-2"
