@@ -117,6 +117,10 @@ def _template(rng: random.Random, name: str, spec: dict[str, Any]) -> Template:
     api: Api = spec.get("api") or rng.choice(("chat", "completions"))
     stream = spec["stream"] if "stream" in spec else rng.random() < 0.7
     model_kind: ModelKind = spec.get("model_kind") or rng.choices(("base", "lora", "pd"), (8, 1, 1))[0]
+    if model_kind == "pd" and (spec.get("n", 1) > 1 or spec.get("logprobs")):
+        # A prefill leg serves one output (TensorRT-LLM refuses n > 1 there), and the full engine does not carry
+        # logprobs across the handoff: the pair's model takes neither.
+        model_kind = "base"
     directive: str | None = spec.get("directive")
     pd = model_kind == "pd"
     n = spec.get("n") or (2 if not pd and not directive and rng.random() < 0.15 else 1)

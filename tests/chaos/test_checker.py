@@ -154,8 +154,8 @@ def test_the_schedule_and_the_templates_follow_the_seed_alone() -> None:
     assert {f.kind for f in faults} == {k for k, w in FAULT_KINDS.items() if w[0]}
     assert {f.kind for f in plan(1, 600, "etcd")} >= {"etcd_pause", "nats_pause"}
     assert kv_faults(1, "w1", 2) == kv_faults(1, "w1", 2) != kv_faults(1, "w1", 3)
-    templates = catalogue(3)
-    assert [t.body for t in templates] == [t.body for t in catalogue(3)]
+    templates = [t for seed in (1, 2, 3) for t in catalogue(seed)]
+    assert [t.body for t in catalogue(3)] == [t.body for t in catalogue(3)]
     features: Counter[str] = Counter()
     for t in templates:
         features.update(
@@ -164,6 +164,9 @@ def test_the_schedule_and_the_templates_follow_the_seed_alone() -> None:
         )
         # Every template has a reference: greedy, or sampled with an explicit seed.
         assert t.body["temperature"] == 0 or "seed" in t.body
+        if t.model_kind == "pd":
+            assert t.n == 1, "a prefill leg serves one output"
+            assert "logprobs" not in t.body, "the full engine carries no logprobs across the handoff"
     for feature in ("chat", "completions", "stream", "unary", "n2", "stop", "logprobs", "seed", "lora", "pd",
                     "error_retryable", "error_fatal"):  # fmt: skip
         assert features[feature], feature
