@@ -525,11 +525,12 @@ async def _stop_control_plane(cluster: Cluster) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    code = 130
     try:
-        return trio.run(run, args)
-    except KeyboardInterrupt:
+        code = trio.run(run, args)
+    except* KeyboardInterrupt:  # trio may deliver it inside an exception group (from a nursery)
         print("bench.chaos: interrupted; every process was stopped", file=sys.stderr)
-        return 130
+    return code
 
 
 if __name__ == "__main__":
