@@ -346,7 +346,7 @@ async def run(args: Args) -> int:
         command = f"python -m bench.chaos --minutes {args.minutes:g} --seed {args.seed}"
         if args.control_plane != "file":
             command += f" --control-plane {args.control_plane}"
-        write_docs(DOCS, report.docs_section(command))
+        write_docs(DOCS, args.control_plane, report.docs_section(command))
         print(f"bench.chaos: wrote the chaos section of {DOCS.relative_to(ROOT)}")
     return 0 if report.ok else 1
 
