@@ -235,8 +235,21 @@ async def _wait_serves(http: httpx.AsyncClient, url: str, models: list[str], own
 
 @dataclass
 class Load:
+    """The templates with their references, and every request judged as it ended. Only a violation keeps its whole
+    transcript and answer (printed at the end); the others keep what the reconciliation needs (ids, usage), so a
+    run of hours stays small."""
+
     templates: list[Template]
-    transcripts: list[Transcript]
+    references: dict[str, Answer]
+    results: list[tuple[Transcript, Verdict, Answer | None]]
+
+    def record(self, transcript: Transcript) -> None:
+        verdict = judge(transcript, self.references[transcript.template.name])
+        seen = parse(transcript) if transcript.status == 200 else None
+        if verdict.outcome != "violation":
+            transcript.lines.clear()
+            seen = None if seen is None else Answer(usage=seen.usage, ids=seen.ids)
+        self.results.append((transcript, verdict, seen))
 
 
 async def client_loop(
@@ -271,7 +284,7 @@ async def client_loop(
             await send(http, state.topo.frontends[name].url, transcript, state.clock, rng)
         finally:
             state.inflight[name] -= 1
-        load.transcripts.append(transcript)
+        load.record(transcript)
         if transcript.status != 200 and not transcript.disconnected:
             await trio.sleep(rng.uniform(*ERROR_BACKOFF_S))
 
@@ -407,7 +420,7 @@ async def _run(
         t0 = trio.current_time()
         wall0 = time.time()
         state = ChaosState(topo, lambda: trio.current_time() - t0)
-        load = Load(templates, [])
+        load = Load(templates, refs, [])
         counter = [0]
         monitor_scope = trio.CancelScope()
 
@@ -423,7 +436,7 @@ async def _run(
             run_nursery.start_soon(run_plan, state, faults, args.seed)
             for number in range(CLIENTS):
                 run_nursery.start_soon(client_loop, state, load, number, args.seed, load_s, http, counter)
-        print(f"bench.chaos: load done ({len(load.transcripts)} requests) at {state.clock():.0f} s; healing")
+        print(f"bench.chaos: load done ({len(load.results)} requests) at {state.clock():.0f} s; healing")
 
         postconditions: list[tuple[str, bool, str]] = []
         healed = False
@@ -445,13 +458,10 @@ async def _run(
                 for end in life_counts.ends:
                     attempts.setdefault(end.request_id, []).append(end)
         verdicts: list[tuple[Transcript, Verdict, Answer | None]] = []
-        for transcript in sorted(load.transcripts, key=lambda t: t.number):
-            reference = refs[transcript.template.name]
-            verdict = judge(transcript, reference)
-            seen = parse(transcript) if transcript.status == 200 else None
+        for transcript, verdict, seen in sorted(load.results, key=lambda r: r[0].number):
             if seen is not None and verdict.kind == "usage_mismatch":
                 tried = [a for rid in request_ids(seen) for a in attempts.get(rid, [])]
-                verdict = migrated_usage(verdict, seen, reference, tried)
+                verdict = migrated_usage(verdict, seen, refs[transcript.template.name], tried)
             verdicts.append((transcript, verdict, seen))
         reconciliation = reconcile(lives, verdicts, own_ids)
         migrated = sum(
