@@ -45,7 +45,9 @@ from typing import TYPE_CHECKING, Any, Final
 import trio
 
 from openengine.v1 import generation_pb2
+from openengine_bp.openengine.v1 import HealthState
 from sidecar.convert import HEALTH_CANARY_PAYLOAD, build_generate_request
+from sidecar.convert.enums import bp_enum
 from sidecar.convert.request import role_of_engine
 from sidecar.errors import (
     EngineFailure,
@@ -663,7 +665,20 @@ async def _abort(serving: ServingContext, request_id: str) -> None:
 
 async def probe_generation(serving: ServingContext, request_id: str, timeout_s: float) -> str | None:
     """One real one-token generation (the canary a stalled engine must pass to be served again); None when the
-    engine answered it to its terminal within ``timeout_s``, else why not. A probe left unfinished is aborted."""
+    engine answered it to its terminal within ``timeout_s``, else why not. A probe left unfinished is aborted.
+
+    An engine that reports the prefill or decode role refuses a plain generation (a prefill leg would leave a KV
+    session pinned; a decode leg needs one): there the canary is Health's inference probe, which the schema makes
+    role-appropriate (``openengine-wire-v0.1.0.md`` §7.10)."""
+    if role_of_engine(serving.caps.engine_role) != "aggregated":
+        with trio.move_on_after(timeout_s):
+            try:
+                health = await serving.client.health(include_inference_probe=True, role=serving.caps.engine_role)
+            except EngineRpcError as exc:
+                return str(exc)
+            state = bp_enum(health.state)
+            return None if state is HealthState.READY else f"inference probe: health {state.name}"
+        return f"no answer within {timeout_s:g}s"
     call = build_generate_request(
         dict(HEALTH_CANARY_PAYLOAD),
         request_id=request_id,

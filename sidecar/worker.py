@@ -450,29 +450,25 @@ class Worker:
         failed = self.requests.cancel_all(EngineGone(f"engine lost ({reason}); retry on another worker"))
         if failed:
             log.warning("engine lost: %d in-flight request(s) failed over", failed)
-        backoff = config.grpc_retry_interval_s
         while True:
+            await self._wait_for_engine(client)
+            life.fire("reconnected")
             try:
-                await client.get_server_info(timeout_s=config.grpc_connect_attempt_timeout_s)
+                deadline = trio.current_time() + config.grpc_startup_deadline_s
+                self._discovery = await self._discover_until_ready(client, deadline)
                 break
+            except (StartupRefused, SchemaIncompatible) as exc:
+                life.fire("fail", reason=f"the restarted engine is not the one registered: {exc}")
+                self._fatal.set()
+                await trio.sleep_forever()
             except EngineRpcError as exc:
-                log.info("engine not back yet (%s); retrying in %.1fs", exc, backoff)
-            # Exponential backoff with jitter, capped: many workers must not hammer a restarting engine in step. The
-            # load poller keeps asking the engine every second meanwhile: its first answer ends the wait, so serving
-            # resumes within moments of the engine's return however long the outage (the backoff alone waited up to
-            # its 30 s cap).
-            self._identity.answered = trio.Event()
-            with trio.move_on_after(backoff * random.uniform(0.8, 1.2)):
-                await self._identity.answered.wait()
-            backoff = min(backoff * 2, config.reconnect_backoff_max_s)
-        life.fire("reconnected")
-        try:
-            deadline = trio.current_time() + config.grpc_startup_deadline_s
-            self._discovery = await self._discover_until_ready(client, deadline)
-        except (StartupRefused, SchemaIncompatible) as exc:
-            life.fire("fail", reason=f"the restarted engine is not the one registered: {exc}")
-            self._fatal.set()
-            await trio.sleep_forever()
+                if exc.code not in _ENGINE_GONE_CODES:
+                    life.fire("fail", reason=f"rediscovering the engine failed: {exc}")
+                    self._fatal.set()
+                    await trio.sleep_forever()
+                # It answered once and is gone again (a restart still in progress, or an engine still draining
+                # after its GOAWAY): wait for it again rather than give up.
+                life.fire("engine_lost", reason=f"the engine went away again during rediscovery: {exc}")
         if self._lora is not None:
             # Before routing resumes: a request for an adapter the restarted engine lacks would fail with NOT_FOUND.
             await self._lora.sync(engine_restarted=True)
@@ -488,6 +484,25 @@ class Worker:
             # Requests that still arrive are served; routing resumes when the watchdog has written every entry.
             life.fire("degrade", reason=held)
         metrics.RECONNECTS.labels(stage="recovered").inc()
+
+    async def _wait_for_engine(self, client: EngineClient) -> None:
+        """Until the engine answers GetServerInfo again, with capped exponential backoff and jitter."""
+        config = self.config
+        backoff = config.grpc_retry_interval_s
+        while True:
+            try:
+                await client.get_server_info(timeout_s=config.grpc_connect_attempt_timeout_s)
+                return
+            except EngineRpcError as exc:
+                log.info("engine not back yet (%s); retrying in %.1fs", exc, backoff)
+            # Exponential backoff with jitter, capped: many workers must not hammer a restarting engine in step. The
+            # load poller keeps asking the engine every second meanwhile: its first answer ends the wait, so serving
+            # resumes within moments of the engine's return however long the outage (the backoff alone waited up to
+            # its 30 s cap).
+            self._identity.answered = trio.Event()
+            with trio.move_on_after(backoff * random.uniform(0.8, 1.2)):
+                await self._identity.answered.wait()
+            backoff = min(backoff * 2, config.reconnect_backoff_max_s)
 
     async def _back_into_routing(self, dynamo: DynamoWorker, card: Registration | None = None) -> str | None:
         """Register ``card`` (if given), then put the instance back into routing; or say why the worker stays out.

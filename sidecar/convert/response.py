@@ -113,6 +113,7 @@ class ResponseMapper:
         "_prompt_tokens",
         "_request_id",
         "_terminal_ids",
+        "_text_first",
         "_text_hold",
         "_text_seen",
         "_text_withheld",
@@ -170,6 +171,9 @@ class ResponseMapper:
         self._text_hold = stop_texts
         self._text_seen = [False] * n  # the engine sent text for this output (it detokenizes)
         self._text_withheld = [False] * n  # its last token event had tokens but no text
+        # The output's first token may end it (a stop string of one token, or a migrated stream's continuation): a
+        # withheld first text is a candidate once even before any text was seen (one hold for an engine without text).
+        self._text_first = [True] * n
 
     @property
     def done(self) -> bool:
@@ -467,9 +471,14 @@ class ResponseMapper:
                 return True
             if ids[-1] in self._terminal_ids and count >= self._min_tokens:
                 return True
-            if self._text_withheld[index] and self._text_seen[index] and count >= self._min_tokens:
+            if self._text_withheld[index] and count >= self._min_tokens:
                 # The engine holds this token's text back: it may be the start -- or the end -- of a stop string.
-                return True
+                if self._text_seen[index]:
+                    return True
+                if self._text_first[index]:
+                    self._text_first[index] = False
+                    return True
+            self._text_first[index] = False
         return False
 
     def end_of_stream(self) -> None:

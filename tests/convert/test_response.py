@@ -493,6 +493,7 @@ def test_with_stop_strings_a_token_whose_text_the_engine_holds_back_awaits_the_n
     """The engine holds back text that may begin a stop string and cuts the stop string when it completes: a token
     event with tokens and no text may be the last one (only once the engine has shown it sends text)."""
     m = holding_mapper(stop_texts=True)
+    assert m.awaits_terminal(m.map([token(0, 4)])), "the output's first token may complete a stop string"
     assert not m.awaits_terminal(m.map([token(0, 5)])), "no text seen yet: the engine may not detokenize"
     assert not m.awaits_terminal(m.map([text_event(0, 6, "The")]))
     held = m.map([text_event(0, 7, "")])
@@ -501,6 +502,18 @@ def test_with_stop_strings_a_token_whose_text_the_engine_holds_back_awaits_the_n
     assert chunks[0]["token_ids"] == [7]
     assert chunks[0]["finish_reason"] == "stop"
     assert "completion_usage" in chunks[0]
+
+
+def test_a_stop_string_completed_by_the_first_token_of_an_output_joins_its_finish() -> None:
+    """Found by ``bench.chaos``: a stream migrated after 7 tokens continued with one token that completed the stop
+    string. Failed before (no text seen yet, so no hold): the frontend ended the stream at the stop string and the
+    sidecar counted the complete answer as cancelled, with an Abort."""
+    m = holding_mapper(stop_texts=True, n=2)
+    held = m.map([token(0, 7)])
+    assert m.awaits_terminal(held)
+    chunks = m.map([finished(0, STOP, stop_match=StopMatch(stop_text=" the"))], carry=held)
+    assert chunks == [{"token_ids": [7], "index": 0, "finish_reason": "stop", "stop_reason": " the"}]
+    assert m.awaits_terminal(m.map([token(1, 8)])), "each output's first token"
 
 
 def test_without_stop_strings_text_does_not_matter() -> None:

@@ -26,6 +26,7 @@ from openengine_bp.openengine.v1 import (
     AbortResponse,
     AbortStatus,
     DeploymentCapacity,
+    EngineRole,
     GenerationCapabilities,
     GuidedDecodingCapabilities,
     GuidedDecodingMode,
@@ -367,6 +368,47 @@ async def test_an_engine_restarted_within_a_second_with_other_capabilities_is_re
     ]
 
 
+class FlappingEngine(Engine):
+    """An engine whose next call of some RPCs fails once more after it is back (a restart still in progress, or an
+    engine still draining after its GOAWAY: it answers once, then its port is gone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_once: set[str] = set()
+
+    async def _rpc(self, name: str) -> None:
+        await super()._rpc(name)
+        if name in self.fail_once:
+            self.fail_once.discard(name)
+            raise EngineRpcError(name, GrpcCode.UNAVAILABLE, "the engine closed the connection before HTTP/2 began")
+
+
+async def test_an_engine_gone_again_during_rediscovery_sends_the_worker_back_to_reconnecting(
+    autojump_clock: Clock, transitions: list[tuple[float, str, str]]
+) -> None:
+    """Found by ``bench.chaos`` (an engine SIGTERMed behind a TCP proxy): the engine answered the reconnect probe,
+    then GetModelInfo failed with UNAVAILABLE. Failed before: the error escaped the reconnect and the worker process
+    exited 1 with a traceback; now it is lost again, reconnects and serves."""
+    engine, dynamo = FlappingEngine(), Dynamo()
+    worker = await serving_worker(engine, dynamo)
+    transitions.clear()
+    async with trio.open_nursery() as nursery:
+        await run_watchers(nursery, worker, engine, dynamo)
+        engine.up = False
+        with trio.fail_after(30):
+            while state(worker) != "reconnecting":
+                await trio.sleep(0.05)
+        engine.fail_once = {"GetModelInfo"}
+        engine.restart(instance="engine-1")
+        with trio.fail_after(30):
+            while state(worker) != "serving" or worker.requests.serving is None:
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    events = [e for _, e, _ in transitions if e in ("engine_lost", "reconnected", "registered", "fail")]
+    assert events == ["engine_lost", "reconnected", "engine_lost", "reconnected", "registered"]
+    assert not engine.fail_once
+
+
 async def test_a_lost_connection_to_an_engine_that_answers_as_another_instance_is_rediscovered(
     autojump_clock: Clock, transitions: list[tuple[float, str, str]]
 ) -> None:
@@ -518,3 +560,68 @@ async def test_an_instance_that_cannot_be_written_when_health_recovers_leaves_th
         assert dynamo.is_routable()
         assert (await complete(worker, body(), "after"))[-1]["finish_reason"] == "length"
         nursery.cancel_scope.cancel()
+
+
+class PrefillEngine(Engine):
+    """An engine that reports the prefill role (``openengine-mock --profile full --role prefill``): a plain
+    generation is refused with FAILED_PRECONDITION; its Health runs a role-appropriate inference probe on request."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.probes = 0
+
+    async def get_server_info(self, *, trace: Any = None, timeout_s: float | None = None) -> ServerInfo:
+        info = await super().get_server_info(trace=trace, timeout_s=timeout_s)
+        info.engine_role = EngineRole.PREFILL
+        return info
+
+    @asynccontextmanager
+    async def generate(
+        self, request: pb.GenerateRequest, *, metadata: Sequence[tuple[str, str]] = ()
+    ) -> AsyncIterator[AsyncIterator[list[pb.GenerateResponse]]]:
+        if request.extra.fields["request_type"].string_value != "context_only":
+            await self._rpc("Generate")
+            self.generates.append(request.request_id)
+            raise EngineRpcError("Generate", GrpcCode.FAILED_PRECONDITION, "this engine serves the prefill role")
+        async with super().generate(request, metadata=metadata) as stream:
+            yield stream
+
+    async def health(
+        self, include_inference_probe: bool = False, *args: Any, timeout_s: float | None = None, **kw: Any
+    ) -> HealthResponse:
+        await self._rpc("Health")
+        if include_inference_probe:
+            self.probes += 1
+            if not self.producing:
+                await trio.sleep(30)
+                return HealthResponse(state=HealthState.DEGRADED)
+        return HealthResponse(state=HealthState.READY)
+
+
+async def test_a_stalled_prefill_engine_is_probed_the_way_its_role_allows_and_the_worker_comes_back(
+    autojump_clock: Clock, transitions: list[tuple[float, str, str]]
+) -> None:
+    """Found by ``bench.chaos`` (a prefill engine paused past the inactivity timeout): the stall canary was a plain
+    generation, which an engine serving the prefill role refuses (FAILED_PRECONDITION), so the worker stayed
+    withdrawn for good. The canary of a prefill or decode engine is Health's inference probe, role-appropriate by the
+    schema (``openengine-wire-v0.1.0.md`` §7.10); failed before: still degraded after 60 s."""
+    engine, dynamo = PrefillEngine(), Dynamo()
+    worker = await serving_worker(engine, dynamo, "--request-inactivity-timeout-secs", "5")
+    assert worker.requests.serving is not None
+    assert worker.requests.serving.worker_role == "prefill"
+    engine.producing = False
+    async with trio.open_nursery() as nursery:
+        await run_watchers(nursery, worker, engine, dynamo)
+        with pytest.raises(HungEngine):
+            await complete(worker, body(), "hung-1")
+        assert state(worker) == "degraded"
+        await trio.sleep(12)
+        assert state(worker) == "degraded", "a probe that does not answer keeps the worker withdrawn"
+        engine.producing = True
+        with trio.fail_after(60):
+            while state(worker) != "serving":
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    assert engine.probes >= 2
+    assert not [rid for rid in engine.generates if rid.startswith("openengine-sidecar-canary-")]
+    assert dynamo.names()[-1] == "restore"

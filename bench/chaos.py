@@ -1,0 +1,549 @@
+"""Chaos soak with an exactness checker: many faults at once, every response checked against its reference.
+
+    python -m bench.chaos --minutes 3 --seed 1                        # file discovery, loopback
+    python -m bench.chaos --minutes 2 --seed 1 --control-plane etcd   # etcd + NATS (namespaces when root)
+    python -m bench.chaos --minutes 3 --seed 1 --write-docs           # also update docs/faults.md
+
+Topology (``bench._chaos_topology``): 2 Dynamo frontends (``--migration-limit 3``, KV router) × 3 aggregated
+workers, each an ``openengine-sidecar`` driving its own ``openengine-mock --profile full`` (KV events, LoRA), plus a
+1P1D pair serving a model of its own; on file discovery, or etcd + NATS. A fault-free reference stack (its own
+frontend, sidecar and mock) answers every request template first: the mock's output is a function of the context
+and the absolute position, so a migrated request must continue exactly where its first attempt stopped.
+
+Load (``bench._chaos_load``): a bounded closed loop of clients through both frontends. Faults
+(``bench._chaos_faults``): a seeded schedule, several overlapping. Checker (``bench._chaos_check``): every response
+complete and exactly equal to its reference, or a clean error with no ``finish_reason``; never a truncated 200.
+Afterwards every engine holds no request and no KV session, every worker serves, and the sidecars' counters
+reconcile with what the clients saw. The report (``bench._chaos_report``) is printed; ``--report PATH`` writes it
+as JSON, ``--write-docs`` into ``docs/faults.md``. A violation prints the seed and the request's full transcript.
+Exit status 0 only with no violation and every post-condition met; 2 for bad flags.
+
+Bounded: every loop by count and time, every request by ``REQUEST_TIMEOUT_S``, every process stopped at the end
+(also on Ctrl-C or an error), nothing outside loopback or the project's network namespaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import AsyncExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import httpx
+import trio
+
+from bench._chaos_check import (
+    Answer,
+    End,
+    LifeCounts,
+    Verdict,
+    judge,
+    log_ends,
+    metric_counts,
+    migrated_usage,
+    parse,
+    reconcile,
+    reference_problems,
+    request_ids,
+)
+from bench._chaos_faults import (
+    ChaosState,
+    kv_faults,
+    monitor,
+    observed_kv_faults,
+    plan,
+    run_plan,
+    whole,
+)
+from bench._chaos_load import Behaviour, Template, Transcript, catalogue, send
+from bench._chaos_net import netem_unavailable
+from bench._chaos_report import Report, write_docs
+from bench._chaos_topology import AGG_WORKERS, LORA, PD_MODEL, Topology, build, make_adapter
+from tests.cluster.network import Host, Network, netns_unavailable, open_network
+from tests.cluster.topology import Cluster, missing_binaries
+from tests.helpers.processes import DynamoEnv, base_env, free_low_port, start_frontend
+from tests.helpers.stack import MODEL, engine_load, mock_stats, start_engine, start_sidecar
+
+ROOT: Final = Path(__file__).resolve().parent.parent
+DOCS: Final = ROOT / "docs" / "faults.md"
+CLIENTS: Final = 8
+#: Bound on the requests one client sends (the deadline ends the loop first in any sane run).
+MAX_REQUESTS_PER_CLIENT: Final = 5000
+#: After a clean error a client waits this long (seconds) before its next request, as real clients back off: a
+#: frontend that answers 404 at once for a while must not turn the closed loop into a storm.
+ERROR_BACKOFF_S: Final = (0.1, 0.5)
+#: Share of the load that carries an error directive while an error window is open.
+DIRECTIVE_SHARE: Final = 0.5
+BEHAVIOURS: Final[tuple[tuple[Behaviour, float], ...]] = (("normal", 0.7), ("slow", 0.15), ("disconnect", 0.15))
+STARTUP_TIMEOUT_S: Final = 240.0
+HEAL_TIMEOUT_S: Final = 90.0
+QUIESCE_TIMEOUT_S: Final = 40.0
+#: Hosts of the etcd variant in network namespaces (last address octet).
+ETCD_HOSTS: Final = {
+    "cp": 1,
+    "fe1": 11,
+    "fe2": 12,
+    "w1": 21,
+    "w2": 22,
+    "w3": 23,
+    "pd": 30,
+    "e1": 41,
+    "e2": 42,
+    "e3": 43,
+}
+
+
+@dataclass(frozen=True)
+class Args:
+    minutes: float
+    seed: int
+    control_plane: Literal["file", "etcd"]
+    network: Literal["auto", "netem", "proxy"]
+    report: Path | None
+    write_docs: bool
+    log_dir: Path | None
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, no usage banner
+        print(f"bench.chaos: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def parse_args(argv: Sequence[str]) -> Args:
+    parser = _Parser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=3.0, help="load duration in minutes (0.5–120)")
+    parser.add_argument("--seed", type=int, default=1, help="seeds the faults, the templates and the load")
+    parser.add_argument("--control-plane", choices=("file", "etcd"), default="file")
+    parser.add_argument(
+        "--network",
+        choices=("auto", "netem", "proxy"),
+        default="auto",
+        help="sidecar↔engine faults through tc netem in network namespaces, or a TCP proxy (auto: netem if it works)",
+    )
+    parser.add_argument("--report", type=Path, help="write the report as JSON to this file")
+    parser.add_argument("--write-docs", action="store_true", help="update the chaos section of docs/faults.md")
+    parser.add_argument("--log-dir", type=Path, help="keep every process log here (default: a temporary directory)")
+    ns = parser.parse_args(argv)
+    if not 0.5 <= ns.minutes <= 120:
+        parser.error(f"--minutes {ns.minutes:g}: must be between 0.5 and 120")
+    if ns.report is not None and not ns.report.parent.is_dir():
+        parser.error(f"--report {ns.report}: directory {ns.report.parent} does not exist")
+    return Args(ns.minutes, ns.seed, ns.control_plane, ns.network, ns.report, ns.write_docs, ns.log_dir)
+
+
+# ---------------------------------------------------------------------------------------------------- network
+
+
+def choose_network(args: Args) -> tuple[Literal["proxy", "netem"], str]:
+    """netem when asked for or when ``auto`` finds it working (and namespaces); else the proxy. The reason says why."""
+    if args.network == "proxy":
+        return "proxy", "asked for"
+    reason = netem_unavailable() or netns_unavailable()
+    if reason is None:
+        return "netem", "tc netem in network namespaces"
+    if args.network == "netem":
+        raise ChaosUnavailable(f"--network netem: {reason}")
+    return "proxy", f"netem unavailable: {reason}"
+
+
+@contextmanager
+def open_hosts(control_plane: str, mode: str) -> Iterator[Network]:
+    """Namespaces for the etcd variant (as ``tests/cluster``) and for netem's engines; loopback otherwise."""
+    names = dict(ETCD_HOSTS) if control_plane == "etcd" else {}
+    if mode == "netem":
+        names.update({"e1": 41, "e2": 42, "e3": 43})
+    if not names or (control_plane == "etcd" and mode == "proxy" and netns_unavailable() is not None):
+        all_names = names or {"e1": 0}
+        yield Network("loopback", {n: Host(n, "127.0.0.1") for n in all_names}, reason="loopback")
+        return
+    with open_network(tuple(names), addresses=names) as network:
+        yield network
+
+
+# ---------------------------------------------------------------------------------------------------- reference
+
+
+async def references(templates: list[Template], root: Path) -> dict[str, Answer]:
+    """Every template's answer from a fault-free stack of its own (a frontend, a sidecar, a mock without prompt
+    directives, the LoRA adapter loaded), asked twice: both answers must agree and be complete."""
+    ref_root = root / "reference"
+    ref_root.mkdir()
+    denv = DynamoEnv(ref_root, base_env(ref_root))
+    engine_flags = ("--profile", "full", "--kv-events", "grpc", "--capability", "lora=true", "--speedup", "0")
+    answers: dict[str, Answer] = {}
+    lora_root = make_adapter(ref_root / "loras")
+    async with (
+        start_frontend(denv, ready_timeout=120) as frontend,
+        start_engine(denv, *engine_flags, name="ref-engine") as engine,
+        start_sidecar(denv, engine.address, "--lora-root", str(lora_root), name="ref-sidecar") as worker,
+        httpx.AsyncClient(timeout=60) as http,
+    ):
+        body = {"lora_name": LORA, "source_path": str(lora_root / LORA)}
+        loaded = (await http.post(f"{worker.system_url}/engine/load_lora", json=body)).json()
+        if loaded.get("status") != "ok":
+            raise RuntimeError(f"reference stack: loading {LORA} failed: {loaded}")
+        await _wait_serves(http, frontend.url, [MODEL, LORA], own=set())
+        for template in templates:
+            first = await _reference_answer(http, frontend.url, template)
+            second = await _reference_answer(http, frontend.url, template)
+            problems = reference_problems(template, first)
+            if problems or first.to_json()["choices"] != second.to_json()["choices"]:
+                raise RuntimeError(f"reference for {template.name} is unusable: {problems or 'not reproducible'}")
+            if [c.logprobs for c in first.choices.values()] != [c.logprobs for c in second.choices.values()]:
+                raise RuntimeError(f"reference for {template.name}: logprobs not reproducible")
+            answers[template.name] = first
+    return answers
+
+
+async def _reference_answer(http: httpx.AsyncClient, url: str, template: Template) -> Answer:
+    transcript = Transcript(0, 0, template, "ref", "normal", 0.0, template.body_for(reference=True))
+    await send(http, url, transcript, time.monotonic, random.Random(0))
+    if transcript.status != 200:
+        raise RuntimeError(f"reference for {template.name}: HTTP {transcript.status} {transcript.lines[-1:]}")
+    return parse(transcript)
+
+
+async def _wait_serves(http: httpx.AsyncClient, url: str, models: list[str], own: set[str]) -> None:
+    """Until one small request per model succeeds through ``url`` (bounded by the caller); their ids go to ``own``."""
+    for model in models:
+        while True:
+            try:
+                response = await http.post(
+                    f"{url}/v1/completions", json={"model": model, "prompt": "warm up", "max_tokens": 2}
+                )
+                if response.status_code == 200:
+                    own.add(str(response.json().get("id", "")).removeprefix("cmpl-"))
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            await trio.sleep(0.2)
+
+
+# ---------------------------------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Load:
+    """The templates with their references, and every request judged as it ended. Only a violation keeps its whole
+    transcript and answer (printed at the end); the others keep what the reconciliation needs (ids, usage), so a
+    run of hours stays small."""
+
+    templates: list[Template]
+    references: dict[str, Answer]
+    results: list[tuple[Transcript, Verdict, Answer | None]]
+
+    def record(self, transcript: Transcript) -> None:
+        verdict = judge(transcript, self.references[transcript.template.name])
+        seen = parse(transcript) if transcript.status == 200 else None
+        if verdict.outcome != "violation":
+            transcript.lines.clear()
+            seen = None if seen is None else Answer(usage=seen.usage, ids=seen.ids)
+        self.results.append((transcript, verdict, seen))
+
+
+async def client_loop(
+    state: ChaosState, load: Load, number: int, seed: int, deadline: float, http: httpx.AsyncClient, counter: list[int]
+) -> None:
+    rng = random.Random(f"client-{seed}-{number}")
+    ordinary = [t for t in load.templates if t.directive is None]
+    directed: dict[str, list[Template]] = {}
+    for template in load.templates:
+        if template.directive is not None:
+            directed.setdefault(template.directive, []).append(template)
+    frontends = sorted(state.topo.frontends)
+    for _ in range(MAX_REQUESTS_PER_CLIENT):
+        if state.clock() >= deadline:
+            return
+        open_kinds = sorted(k for k, n in state.windows.items() if n > 0)
+        if open_kinds and rng.random() < DIRECTIVE_SHARE:
+            template = rng.choice(directed[rng.choice(open_kinds)])
+        else:
+            template = rng.choice(ordinary)
+        behaviour: Behaviour = rng.choices([b for b, _ in BEHAVIOURS], [w for _, w in BEHAVIOURS])[0]
+        if behaviour == "slow" and not template.stream:
+            behaviour = "normal"
+        choices = [f for f in frontends if f not in state.draining] or frontends
+        name = rng.choice(choices)
+        counter[0] += 1
+        transcript = Transcript(
+            counter[0], number, template, name, behaviour, state.clock(), template.body_for(reference=False)
+        )
+        state.inflight[name] = state.inflight.get(name, 0) + 1
+        try:
+            await send(http, state.topo.frontends[name].url, transcript, state.clock, rng)
+        finally:
+            state.inflight[name] -= 1
+        load.record(transcript)
+        if transcript.status != 200 and not transcript.disconnected:
+            await trio.sleep(rng.uniform(*ERROR_BACKOFF_S))
+
+
+async def engines_quiet(topo: Topology, bound_s: float) -> list[tuple[str, bool, str]]:
+    """Every engine: no running or queued request, no live request, no KV session (waited for, bounded)."""
+    results = []
+    for name, worker in topo.workers.items():
+        detail = "not asked"
+        quiet = False
+        with trio.move_on_after(bound_s):
+            while True:
+                try:
+                    load = await engine_load(worker.engine.address)
+                    stats = await mock_stats(worker.engine.address)
+                except Exception as exc:
+                    detail = f"{type(exc).__name__}: {exc}"
+                    await trio.sleep(0.5)
+                    continue
+                detail = (
+                    f"running {load.running_requests or 0}, queued {load.queued_requests or 0}, live "
+                    f"{stats.get('live_requests', 0)}, KV sessions {stats.get('active_kv_sessions', 0)}"
+                )
+                quiet = not (
+                    load.running_requests
+                    or load.queued_requests
+                    or stats.get("live_requests")
+                    or stats.get("active_kv_sessions")
+                )
+                if quiet:
+                    break
+                await trio.sleep(0.5)
+        results.append((f"engine of {name} idle", quiet, detail))
+    return results
+
+
+class ChaosUnavailable(Exception):
+    """The machine lacks what the requested variant needs (one line for the operator)."""
+
+
+async def soak(args: Args) -> Report:
+    """The whole run: topology, references, load and faults, healing, checks; every process stopped at the end."""
+    started = time.monotonic()
+    load_s = args.minutes * 60
+    mode, note = choose_network(args)
+    if args.control_plane == "etcd" and missing_binaries():
+        raise ChaosUnavailable(f"--control-plane etcd needs {' and '.join(missing_binaries())}")
+    templates = catalogue(args.seed)
+    faults = plan(args.seed, load_s, args.control_plane)
+    print(f"bench.chaos: seed {args.seed}, {len(templates)} templates, {len(faults)} planned faults, {mode} ({note})")
+    root = Path(tempfile.mkdtemp(prefix="oe-chaos-"))
+    try:
+        with open_hosts(args.control_plane, mode) as network:
+            return await _run(args, root, network, mode, note, templates, faults, load_s, started)
+    finally:
+        if args.log_dir is not None and (root / "logs").is_dir():
+            shutil.copytree(root / "logs", args.log_dir, dirs_exist_ok=True)
+            print(f"bench.chaos: logs in {args.log_dir}")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def run(args: Args) -> int:
+    try:
+        report = await soak(args)
+    except ChaosUnavailable as exc:
+        print(f"bench.chaos: error: {exc}", file=sys.stderr)
+        return 2
+    print(report.table())
+    if args.report is not None:
+        args.report.write_text(json.dumps(report.to_json(), indent=1, default=str))
+    if args.write_docs:
+        command = f"python -m bench.chaos --minutes {args.minutes:g} --seed {args.seed}"
+        if args.control_plane != "file":
+            command += f" --control-plane {args.control_plane}"
+        write_docs(DOCS, args.control_plane, report.docs_section(command))
+        print(f"bench.chaos: wrote the chaos section of {DOCS.relative_to(ROOT)}")
+    return 0 if report.ok else 1
+
+
+async def _run(
+    args: Args,
+    root: Path,
+    network: Network,
+    mode: Literal["proxy", "netem"],
+    note: str,
+    templates: list[Template],
+    faults: list[Any],
+    load_s: float,
+    started: float,
+) -> Report:
+    topo = build(root, args.control_plane, network, mode)
+    for name in AGG_WORKERS:
+        topo.workers[name].engine.kv_faults = {life: kv_faults(args.seed, name, life) for life in range(1, 200)}
+    own_ids: set[str] = set()
+    async with AsyncExitStack() as stack:
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        # Unwinding runs these last-first: the sidecars and engines stop (drain) while the proxies still carry their
+        # traffic, then the control plane, then the background tasks (proxies) are cancelled.
+        stack.callback(nursery.cancel_scope.cancel)
+        if args.control_plane == "etcd":
+            cluster = Cluster(
+                network, root, topo.env, etcd_port=free_low_port(), nats_port=free_low_port(), stack=stack
+            )
+            topo.cluster = cluster
+            stack.push_async_callback(_stop_control_plane, cluster)
+            await cluster.start_etcd()
+            await cluster.start_nats()
+            for frontend in topo.frontends.values():
+                frontend.managed.env = topo.host_env(frontend.host)
+            for worker in topo.workers.values():
+                worker.sidecar.env = topo.host_env(worker.host, DYN_SYSTEM_PORT=str(worker.system_port))
+        stack.push_async_callback(topo.stop_all)
+        for proxy in topo.proxies:
+            await nursery.start(proxy.run)
+        refs: dict[str, Answer] = {}
+
+        async def reference_task() -> None:
+            refs.update(await references(templates, root))
+
+        with trio.fail_after(STARTUP_TIMEOUT_S):
+            async with trio.open_nursery() as startup:
+                startup.start_soon(reference_task)
+                startup.start_soon(topo.start_all)
+            async with httpx.AsyncClient(timeout=30) as http:
+                for name in AGG_WORKERS:
+                    answer = await topo.load_lora(topo.workers[name])
+                    if answer.get("status") != "ok":
+                        raise RuntimeError(f"loading {LORA} on {name}: {answer}")
+                for frontend in topo.frontends.values():
+                    await _wait_serves(http, frontend.url, [MODEL, LORA, PD_MODEL], own_ids)
+        print(f"bench.chaos: topology up and references ready after {time.monotonic() - started:.0f} s")
+
+        t0 = trio.current_time()
+        wall0 = time.time()
+        state = ChaosState(topo, lambda: trio.current_time() - t0)
+        load = Load(templates, refs, [])
+        counter = [0]
+        monitor_scope = trio.CancelScope()
+
+        async def run_monitor(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            with monitor_scope:
+                await monitor(state, task_status=task_status)
+
+        await nursery.start(run_monitor)
+        async with (
+            httpx.AsyncClient(limits=httpx.Limits(max_connections=64), timeout=30) as http,
+            trio.open_nursery() as run_nursery,
+        ):
+            run_nursery.start_soon(run_plan, state, faults, args.seed)
+            for number in range(CLIENTS):
+                run_nursery.start_soon(client_loop, state, load, number, args.seed, load_s, http, counter)
+        print(f"bench.chaos: load done ({len(load.results)} requests) at {state.clock():.0f} s; healing")
+
+        postconditions: list[tuple[str, bool, str]] = []
+        healed = False
+        states: dict[str, str] = {}
+        async with httpx.AsyncClient(timeout=10) as http:
+            with trio.move_on_after(HEAL_TIMEOUT_S):
+                while True:
+                    healed, states = await whole(state, http)
+                    if healed:
+                        break
+                    await trio.sleep(0.5)
+        postconditions.append(("every worker serving and listed by both frontends", healed, str(states)))
+        postconditions += await engines_quiet(topo, QUIESCE_TIMEOUT_S)
+        monitor_scope.cancel()  # nothing restarts from here on
+        lives = await _final_counts(topo)
+        attempts: dict[str, list[End]] = {}
+        for life_counts in lives:
+            if life_counts.worker != "pd-prefill":
+                for end in life_counts.ends:
+                    attempts.setdefault(end.request_id, []).append(end)
+        verdicts: list[tuple[Transcript, Verdict, Answer | None]] = []
+        for transcript, verdict, seen in sorted(load.results, key=lambda r: r[0].number):
+            if seen is not None and verdict.kind == "usage_mismatch":
+                tried = [a for rid in request_ids(seen) for a in attempts.get(rid, [])]
+                verdict = migrated_usage(verdict, seen, refs[transcript.template.name], tried)
+            verdicts.append((transcript, verdict, seen))
+        reconciliation = reconcile(lives, verdicts, own_ids)
+        migrated = sum(
+            1
+            for _, verdict, seen in verdicts
+            if verdict.kind == "migrated_prompt_tokens"
+            or (
+                verdict.outcome == "complete"
+                and seen is not None
+                and sum(len(attempts.get(rid, [])) for rid in request_ids(seen)) > 1
+            )
+        )
+        kv_records = observed_kv_faults(topo, lambda unix: unix - wall0)
+        report = Report(
+            seed=args.seed,
+            minutes=args.minutes,
+            control_plane=args.control_plane,
+            network=mode,
+            network_note=f"{note}; hosts: {'network namespaces' if network.isolated else 'loopback'}",
+            verdicts=verdicts,
+            faults=[*state.records, *kv_records],
+            reconciliation=reconciliation,
+            postconditions=postconditions,
+            anomalies=state.anomalies,
+            lora_reloads=topo.lora_reloads,
+            elapsed_s=time.monotonic() - started,
+            extra={"complete_after_migration": migrated},
+        )
+        for transcript, verdict, _ in report.violations()[:20]:
+            print(report.transcript_text(transcript, verdict, refs[transcript.template.name]))
+        if len(report.violations()) > 20:
+            print(f"… and {len(report.violations()) - 20} more violation(s) (all in --report)")
+        report.extra["violation_transcripts"] = [
+            {"verdict": v.__dict__, "transcript": t.to_json()} for t, v, _ in report.violations()
+        ]
+        report.elapsed_s = time.monotonic() - started
+        return report
+    raise AssertionError("unreachable")
+
+
+async def _final_counts(topo: Topology) -> list[LifeCounts]:
+    """Every sidecar run's request-end lines, and the metrics of the runs still alive (scraped now, all quiet)."""
+    lives: list[LifeCounts] = []
+    async with httpx.AsyncClient(timeout=5) as http:
+        for name, worker in topo.workers.items():
+            for life in worker.sidecar.lives:
+                metrics = None
+                if life.end == "running" and life.process.returncode is None:
+                    try:
+                        metrics = metric_counts((await http.get(f"{worker.system_url}/metrics")).text)
+                    except httpx.HTTPError:
+                        metrics = None
+                ends = log_ends(life.process.log_path)
+                counts = Counter(end.outcome for end in ends)
+                handoff = name == "pd-prefill"  # its "finished (length)" hands the request to the decode worker
+                finished = [
+                    e.request_id for e in ends if e.outcome == "finished" and not (handoff and e.reason == "length")
+                ]
+                killed = life.ended_unix if life.end == "sigkill" else None
+                lives.append(LifeCounts(name, life.number, life.end, metrics, counts, finished, ends, killed))
+    return lives
+
+
+async def _stop_control_plane(cluster: Cluster) -> None:
+    with trio.CancelScope(shield=True):
+        if cluster.etcd is not None:
+            await cluster.stop_etcd(signal.SIGTERM)
+        if cluster.nats is not None:
+            await cluster.stop_nats(signal.SIGTERM)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    code = 130
+    try:
+        code = trio.run(run, args)
+    except* KeyboardInterrupt:  # trio may deliver it inside an exception group (from a nursery)
+        print("bench.chaos: interrupted; every process was stopped", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+__all__ = ["Args", "ChaosUnavailable", "main", "parse_args", "soak"]
