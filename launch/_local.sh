@@ -1,16 +1,14 @@
-# Shared by the single-machine launchers (agg*.sh, disagg*.sh); each sources it before parsing its flags.
+# Shared by the single-machine launchers (agg*.sh, disagg*.sh): each sources it, names its parsers (parse_flags) and
+# hands the rest to run_local; a launcher is its --help header and those lines.
 #
-# It gives them: one parser for the flags they share (common_flag), clear one-line refusals of bad flags, a log
-# directory that outlives the run, the loopback-only file-discovery Dynamo environment, starters for the frontend,
-# openengine-mock and openengine-sidecar that remember every child, readiness waits on each worker's /health, the
-# one-request smoke of --demo/--once (launch/_demo.py), and a clean stop in tiers: sidecars first (they deregister and
-# drain while their engines still run), then the engines, then the frontend; each tier gets SIGTERM, a grace period,
-# then SIGKILL. With --once the exit status is 0 only if the answer was right, the engines were idle after it and
-# every process exited 0 on SIGTERM.
-set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-[ -x "$root/.venv/bin/python" ] && . "$root/.venv/bin/activate"
-script=$(basename "$0")
+# It gives them (with _common.sh, which cluster.sh shares): one parser for the flags they share (common_flag), clear
+# one-line refusals of bad flags, a log directory that outlives the run, the loopback-only file-discovery Dynamo
+# environment, starters for the frontend, openengine-mock and openengine-sidecar that remember every child, readiness
+# waits on each worker's /health, the one-request smoke of --demo/--once (launch/_demo.py), and a clean stop in tiers:
+# sidecars first (they deregister and drain while their engines still run), then the engines, then the frontend; each
+# tier gets SIGTERM, a grace period, then SIGKILL. With --once the exit status is 0 only if the answer was right, the
+# engines were idle after it and every process exited 0 on SIGTERM.
+. "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 # Shared flags and their defaults; each launcher adds its own.
 model_path="$root/sidecar/testing/mock/model" model_given=0 model_name="" http_port=${DYN_HTTP_PORT:-8000}
@@ -19,19 +17,6 @@ log_dir="" demo=0 once=0 extra=()
 # reports running requests only; the smoke's check that the engines hold no KV session after the answer reads
 # active_kv_sessions and the served counters, which only the richer engine reports (docs/mock.md, "Profiles").
 mock_common=(--profile full)
-
-usage() { awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
-die() { echo "$script: $*" >&2; exit 2; }
-
-# need_value FLAG [VALUE ...]: the flag must be followed by a value (not by another flag).
-need_value() { [ $# -ge 2 ] && [ -n "$2" ] && [[ $2 != --* ]] || die "$1 needs a value (see --help)"; }
-
-# check_port FLAG VALUE [MAX]: a TCP port number (MAX 32767 for Dynamo's system port, read as a signed 16-bit number).
-check_port() {
-  local max=${3:-65535}
-  [[ $2 =~ ^[0-9]{1,5}$ ]] && [ "$2" -ge 1 ] && [ "$2" -le "$max" ] \
-    || die "$1: expected a port number 1-$max, got '$2'$([ "$max" = 32767 ] && echo ' (Dynamo reads DYN_SYSTEM_PORT as a signed 16-bit number)')"
-}
 
 # common_flag ARGS...: one of the shared flags at $1; sets `taken` to the number of words it used.
 common_flag() {
@@ -105,13 +90,7 @@ port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$2") 2>/dev/null || die "$1: port $
 # open_run NAME: the scratch directory (discovery files, HOME; removed at the end), the log directory (kept), the
 # traps and the Dynamo environment.
 open_run() {
-  work=$(mktemp -d -t "openengine-$1.XXXXXX")
-  if [ -n "$log_dir" ]; then
-    mkdir -p "$log_dir" || { rm -rf "$work"; die "--log-dir: cannot create $log_dir"; }
-    logs=$(cd "$log_dir" && pwd)
-  else
-    logs=$(mktemp -d -t "openengine-$1-logs.XXXXXX")
-  fi
+  open_dirs "$1"
   trap stop_all EXIT
   trap 'exit 130' INT
   trap 'exit 143' TERM
@@ -168,13 +147,7 @@ stop_all() {
     [ "${codes[$i]}" = 0 ] || unclean+="${unclean:+, }${names[$i]}"
     echo "${names[$i]} ${codes[$i]}" >>"$logs/exit-status"
   done
-  [ -n "$summary" ] && echo "stopped (exit status): $summary"
-  echo "logs kept in $logs/"
-  if [ $once = 1 ] && [ $status = 0 ] && [ -n "$unclean" ]; then
-    echo "$script: not a clean stop: $unclean exited non-zero (see their logs)" >&2
-    exit 1
-  fi
-  exit $status
+  end_stop "$status" "$summary" "$unclean"
 }
 
 tail_logs() { for i in "${!names[@]}"; do echo "----- ${names[$i]} ($logs/${names[$i]}.log)"; tail -n 25 "$logs/${names[$i]}.log"; done; }
@@ -366,3 +339,67 @@ serve() {
 }
 
 demo_py() { python "$root/launch/_demo.py" --report "$logs/report.json" "$@"; }
+
+# parse_flags PARSER... -- ARGS...: each argument goes to the first PARSER that takes it (lora_flag passes on what
+# it does not know; agg_flag and disagg_flag refuse it); words after a `--` in ARGS are extra sidecar flags.
+parse_flags() {
+  local -a parsers=()
+  local parser
+  while [ "$1" != -- ]; do parsers+=("$1"); shift; done
+  shift
+  while [ $# -gt 0 ]; do
+    [ "$1" != -- ] || { shift; extra=("$@"); return; }
+    for parser in "${parsers[@]}"; do
+      taken=0
+      "$parser" "$@"
+      [ "$taken" = 0 ] || break
+    done
+    shift "$taken"
+  done
+}
+
+# run_local agg|disagg NAME KIND [--lora]: the run after parse_flags: check the flags, open the run NAME, start the
+# frontend, the engines (openengine-mock with mock_args unless given) and their sidecars. --lora: with an adapter
+# (lora_flag's flags; the demo makes one) loaded on every worker. --demo/--once: one KIND request (text, image-video,
+# audio) through the frontend, under the adapter's name with --lora; --lora --once then asks the base model too (the
+# answers must differ on openengine-mock); the engines must then be idle (not checked for --lora --demo). --once
+# stops there; otherwise serve until Ctrl-C.
+run_local() {
+  local mode=$1 name=$2 kind=$3 lora="" served
+  local -a ports
+  [ "${4:-}" != --lora ] || lora=1
+  if [ "$mode" = agg ]; then
+    check_agg
+    ports=("$system_port")
+  else
+    check_disagg
+    ports=("$prefill_system_port" "$decode_system_port")
+  fi
+  [ -z "$lora" ] || check_lora "$([ -n "$engine$prefill_engine" ] && echo 1 || echo 0)"
+  open_run "$name"
+  if [ -n "$lora" ]; then
+    make_demo_adapter
+    mock_args=(--capability lora=true)
+    sidecar_args=(--lora-root "$lora_root")
+  fi
+  start_frontend
+  if [ "$mode" = agg ]; then start_agg_worker "$engine" "$system_port"; else start_disagg_workers; fi
+  served=$model_name
+  if [ -n "$lora" ]; then
+    load_adapter "${ports[@]}"
+    served=$adapter_name
+  fi
+  print_ready "$kind" "$served"
+  if [ $demo = 1 ] || [ $once = 1 ]; then
+    smoke "$kind" "$served" ${lora:+adapter} || exit 1
+    if [ -z "$lora" ]; then
+      engines_idle || exit 1
+    elif [ $once = 1 ]; then
+      smoke "$kind" "$model_name" base || exit 1
+      demo_py differs adapter base $([ $mock_engines = 1 ] && echo --required) || exit 1
+      engines_idle || exit 1
+    fi
+  fi
+  [ $once = 1 ] && exit 0
+  serve
+}

@@ -36,30 +36,5 @@
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/_local.sh"
 
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --) shift; extra=("$@"); break ;;
-    *) lora_flag "$@"; [ "$taken" = 0 ] && agg_flag "$@"; shift "$taken" ;;
-  esac
-done
-check_agg
-check_lora "$([ -n "$engine" ] && echo 1 || echo 0)"
-
-open_run agg-lora
-make_demo_adapter
-mock_args=(--capability lora=true)
-sidecar_args=(--lora-root "$lora_root")
-start_frontend
-start_agg_worker "$engine" "$system_port"
-load_adapter "$system_port"
-print_ready text "$adapter_name"
-if [ $demo = 1 ] || [ $once = 1 ]; then
-  smoke text "$adapter_name" adapter || exit 1
-fi
-if [ $once = 1 ]; then
-  smoke text "$model_name" base || exit 1
-  demo_py differs adapter base $([ $mock_engines = 1 ] && echo --required) || exit 1
-  engines_idle || exit 1
-  exit 0
-fi
-serve
+parse_flags lora_flag agg_flag -- "$@"
+run_local agg agg-lora text --lora

@@ -27,16 +27,7 @@
 # drain while etcd, NATS and their engines still run), then the frontends and engines, then NATS and etcd; then the
 # namespaces go. Needs: apt-get install -y etcd-server nats-server
 set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-[ -x "$root/.venv/bin/python" ] && . "$root/.venv/bin/activate"
-
-usage() { awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
-die() { echo "cluster.sh: $*" >&2; exit 2; }
-need_value() { [ $# -ge 2 ] && [ -n "$2" ] && [[ $2 != --* ]] || die "$1 needs a value (see --help)"; }
-check_port() {  # FLAG VALUE [MAX]
-  [[ $2 =~ ^[0-9]{1,5}$ ]] && [ "$2" -ge 1 ] && [ "$2" -le "${3:-65535}" ] \
-    || die "$1: expected a port number 1-${3:-65535}, got '$2'"
-}
+. "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 frontends=2 workers=3 demo=0 once=0 loopback=0 log_dir="" extra=()
 etcd_port=2379 nats_port=4222 http_port=8000 system_port=8081 engine_port=50051
@@ -68,13 +59,7 @@ etcd_bin=$(command -v etcd || true) nats_bin=$(command -v nats-server || echo /u
 [ -n "$etcd_bin" ] && [ -x "$nats_bin" ] || {
   echo "cluster.sh: etcd and nats-server are needed: apt-get install -y etcd-server nats-server" >&2; exit 1; }
 
-work=$(mktemp -d -t openengine-cluster.XXXXXX)
-if [ -n "$log_dir" ]; then
-  mkdir -p "$log_dir" || { rm -rf "$work"; die "--log-dir: cannot create $log_dir"; }
-  logs=$(cd "$log_dir" && pwd)
-else
-  logs=$(mktemp -d -t openengine-cluster-logs.XXXXXX)
-fi
+open_dirs cluster
 tag="oe$$x$(printf '%04x' $((RANDOM % 65536)))"
 namespaces=() root_link=""
 declare -A pid cmd hostof code
@@ -159,13 +144,7 @@ stop_all() {
   [ -n "$root_link" ] && ip link del "$root_link" 2>/dev/null
   for n in "${namespaces[@]}"; do ip netns del "$n" 2>/dev/null; done
   rm -rf "$work"
-  [ -n "$summary" ] && echo "stopped (exit status): $summary"
-  echo "logs kept in $logs/"
-  if [ $once = 1 ] && [ $status = 0 ] && [ -n "$unclean" ]; then
-    echo "cluster.sh: not a clean stop: $unclean exited non-zero (see their logs)" >&2
-    exit 1
-  fi
-  exit $status
+  end_stop "$status" "$summary" "$unclean"
 }
 trap stop_all EXIT
 trap 'exit 130' INT

@@ -27,21 +27,5 @@
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/_local.sh"
 
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --) shift; extra=("$@"); break ;;
-    *) disagg_flag "$@"; shift "$taken" ;;
-  esac
-done
-check_disagg
-
-open_run disagg
-start_frontend
-start_disagg_workers
-print_ready text "$model_name"
-if [ $demo = 1 ] || [ $once = 1 ]; then
-  smoke text || exit 1
-  engines_idle || exit 1
-fi
-[ $once = 1 ] && exit 0
-serve
+parse_flags disagg_flag -- "$@"
+run_local disagg disagg text

@@ -40,30 +40,5 @@
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/_local.sh"
 
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --) shift; extra=("$@"); break ;;
-    *) lora_flag "$@"; [ "$taken" = 0 ] && disagg_flag "$@"; shift "$taken" ;;
-  esac
-done
-check_disagg
-check_lora "$([ -n "$prefill_engine" ] && echo 1 || echo 0)"
-
-open_run disagg-lora
-make_demo_adapter
-mock_args=(--capability lora=true)
-sidecar_args=(--lora-root "$lora_root")
-start_frontend
-start_disagg_workers
-load_adapter "$prefill_system_port" "$decode_system_port"
-print_ready text "$adapter_name"
-if [ $demo = 1 ] || [ $once = 1 ]; then
-  smoke text "$adapter_name" adapter || exit 1
-fi
-if [ $once = 1 ]; then
-  smoke text "$model_name" base || exit 1
-  demo_py differs adapter base $([ $mock_engines = 1 ] && echo --required) || exit 1
-  engines_idle || exit 1
-  exit 0
-fi
-serve
+parse_flags lora_flag disagg_flag -- "$@"
+run_local disagg disagg-lora text --lora

@@ -4,6 +4,8 @@ trtllm §11; the sidecar's reading of them: ``docs/kv-events.md``)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from grpclib.const import Status
@@ -139,6 +141,25 @@ def _ranks(source: kv_pb2.KvEventSource) -> list[int]:
     return [source.data_parallel_rank] if source.HasField("data_parallel_rank") else []
 
 
+@asynccontextmanager
+async def _subscribed(ctx: Context, *, include_snapshot: bool) -> AsyncIterator[tuple[_Watch, list[int]]]:
+    """SubscribeKvEvents on the gRPC source for its rank, read in the background while the block runs.
+
+    Yields the watch and the ranks asked; skips when there is no gRPC source or no request can be sent.
+    """
+    source = await _grpc_source(ctx)
+    ctx.require_generation()
+    ranks = _ranks(source)
+    request = kv_pb2.SubscribeKvEventsRequest(data_parallel_ranks=ranks, include_snapshot=include_snapshot)
+    watch = _Watch()
+    task = asyncio.create_task(_read(ctx, request, watch))
+    try:
+        yield watch, ranks
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 def _check_batches(batches: list[kv_pb2.KvEventBatch], ranks: list[int], first: int | None) -> str:
     expected = first
     for batch in batches:
@@ -159,12 +180,7 @@ def _check_batches(batches: list[kv_pb2.KvEventBatch], ranks: list[int], first: 
     "wire §7.3, §7.7; docs/kv-events.md",
 )
 async def snapshot(ctx: Context) -> Outcome:
-    source = await _grpc_source(ctx)
-    ctx.require_generation()
-    request = kv_pb2.SubscribeKvEventsRequest(data_parallel_ranks=_ranks(source), include_snapshot=True)
-    watch = _Watch()
-    task = asyncio.create_task(_read(ctx, request, watch))
-    try:
+    async with _subscribed(ctx, include_snapshot=True) as (watch, ranks):
         if not await watch.wait_for(1, ctx.config.rpc_timeout):
             if watch.status in _SNAPSHOT_REFUSALS and not watch.messages:
                 raise SkipCheck(f"snapshot not offered: {watch.status.name if watch.status else ''} {watch.details}")
@@ -177,10 +193,7 @@ async def snapshot(ctx: Context) -> Outcome:
         await _store_blocks(ctx, "snapshot")
         if not await watch.wait_for(2, ctx.config.rpc_timeout):
             raise FailCheck(f"no live batch after the snapshot #{number} and a request storing new blocks")
-        span = _check_batches(watch.batches(), _ranks(source), number)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        span = _check_batches(watch.batches(), ranks, number)
     return Outcome.passed(f"snapshot #{number} ({len(first.batch.events)} events), live batches {span}")
 
 
@@ -190,12 +203,7 @@ async def snapshot(ctx: Context) -> Outcome:
     "wire §7.7 'Batches carry a monotonic sequence_number'; docs/kv-events.md",
 )
 async def sequence(ctx: Context) -> Outcome:
-    source = await _grpc_source(ctx)
-    ctx.require_generation()
-    request = kv_pb2.SubscribeKvEventsRequest(data_parallel_ranks=_ranks(source))
-    watch = _Watch()
-    task = asyncio.create_task(_read(ctx, request, watch))
-    try:
+    async with _subscribed(ctx, include_snapshot=False) as (watch, ranks):
         await asyncio.sleep(0.2)  # let the subscription join before the blocks are stored
         if watch.status is not None or watch.error is not None:
             raise FailCheck(f"the subscription ended at once: {watch.status or watch.error} {watch.details or ''}")
@@ -208,9 +216,6 @@ async def sequence(ctx: Context) -> Outcome:
         if errors:
             raise FailCheck(f"the subscription sent an error: {errors[0].code} {errors[0].message!r}")
         batches = watch.batches()
-        span = _check_batches(batches, _ranks(source), None)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        span = _check_batches(batches, ranks, None)
     events = sum(len(b.events) for b in batches)
     return Outcome.passed(f"{len(batches)} batches {span}, {events} events, no gap")

@@ -226,22 +226,42 @@ def _stop_request(ctx: Context, tag: str, position: int, *, ignore_eos: bool) ->
     return request
 
 
-async def _ignore_eos_probe(
-    ctx: Context, tag: str, condition: generation_pb2.StopCondition, stop_at: int
-) -> tuple[bool, str]:
-    """The stop with ``ignore_eos`` as well: (stopped there, evidence). Running on to LENGTH is the known variant."""
-    request = _stop_request(ctx, tag, stop_at, ignore_eos=True)
+async def _observe_stop(
+    ctx: Context, tag: str, condition: generation_pb2.StopCondition, at: int, what: str, *, ignore_eos: bool = False
+) -> tuple[Observation, generation_pb2.GenerationFinished]:
+    """The baseline's request with ``condition`` (see :func:`_stop_request`): the stream and its finish."""
+    request = _stop_request(ctx, tag, at, ignore_eos=ignore_eos)
     request.stopping.conditions.append(condition)
     obs = await ctx.observe(request)
     finished = _final_finished(obs)
     if finished is None:
-        raise FailCheck(f"the stop with ignore_eos: {_describe(obs)}")
+        raise FailCheck(f"{what}: {_describe(obs)}")
+    return obs, finished
+
+
+def _require_stop_match(
+    finished: generation_pb2.GenerationFinished, condition: generation_pb2.StopCondition, what: str, not_stop: str
+) -> None:
+    """The finish is STOP (else FailCheck with ``not_stop``), and its ``stop_match`` names ``condition``."""
+    if finished.reason != generation_pb2.FINISH_REASON_STOP:
+        raise FailCheck(not_stop)
+    field, match = condition.WhichOneof("condition"), finished.stop_match
+    if match.WhichOneof("match") != field or getattr(match, field) != getattr(condition, field):
+        raise FailCheck(f"{what}: STOP with stop_match {match}")
+
+
+async def _with_ignore_eos(
+    ctx: Context, tag: str, condition: generation_pb2.StopCondition, stop_at: int, evidence: str
+) -> Outcome:
+    """The stop with ``ignore_eos`` as well: PASS if it stops there too; running on to LENGTH is the known variant."""
+    what = "the stop with ignore_eos"
+    obs, finished = await _observe_stop(ctx, tag, condition, stop_at, what, ignore_eos=True)
     if finished.reason == generation_pb2.FINISH_REASON_STOP:
-        return True, "honoured with ignore_eos too"
+        return Outcome.passed(f"{evidence}; honoured with ignore_eos too")
     got = len(assemble(obs)[0])
     if finished.reason == generation_pb2.FINISH_REASON_LENGTH and got > stop_at:
-        return False, f"with ignore_eos it ran on ({got} tokens, LENGTH): {_IGNORE_EOS_VARIANT}"
-    raise FailCheck(f"the stop with ignore_eos: {_describe(obs)}")
+        return Outcome.variant(f"{evidence}; with ignore_eos it ran on ({got} tokens, LENGTH): {_IGNORE_EOS_VARIANT}")
+    raise FailCheck(f"{what}: {_describe(obs)}")
 
 
 @check(
@@ -257,29 +277,22 @@ async def stop_token(ctx: Context) -> Outcome:
         raise SkipCheck(f"the baseline's tokens {tokens} offer no token to stop at")
     position, token_id = choice
     condition = generation_pb2.StopCondition(stop_token_id=token_id)
-    request = _stop_request(ctx, "stop-token", position, ignore_eos=False)
-    request.stopping.conditions.append(condition)
-    obs = await ctx.observe(request)
+    what = f"stop_token_id {token_id}"
+    obs, finished = await _observe_stop(ctx, "stop-token", condition, position, what)
     got, _ = assemble(obs)
-    finished = _final_finished(obs)
-    if finished is None:
-        raise FailCheck(f"stop_token_id {token_id}: {_describe(obs)}")
     if got[:position] != tokens[: min(position, len(got))]:
         raise SkipCheck(
             f"greedy output with min_tokens {position} differs from the baseline ({got} vs {tokens}): "
             "not reproducible here"
         )
-    if finished.reason != generation_pb2.FINISH_REASON_STOP:
-        raise FailCheck(f"stop_token_id {token_id} (baseline position {position}): {_describe(obs)}, tokens {got}")
-    if finished.stop_match.WhichOneof("match") != "stop_token_id" or finished.stop_match.stop_token_id != token_id:
-        raise FailCheck(f"stop_token_id {token_id}: STOP with stop_match {finished.stop_match}")
+    _require_stop_match(
+        finished, condition, what, f"{what} (baseline position {position}): {_describe(obs)}, tokens {got}"
+    )
     completion = _completion(obs)
     if len(got) > position + 1 or (completion is not None and completion > position + 1):
-        raise FailCheck(f"stop_token_id {token_id} at position {position}: output went on ({got})")
-    evidence = f"stop_token_id {token_id} (position {position}): STOP after {len(got)} tokens"
-    honoured, note = await _ignore_eos_probe(ctx, "stop-token-ignore-eos", condition, position)
-    evidence += f"; {note}"
-    return Outcome.passed(evidence) if honoured else Outcome.variant(evidence)
+        raise FailCheck(f"{what} at position {position}: output went on ({got})")
+    evidence = f"{what} (position {position}): STOP after {len(got)} tokens"
+    return await _with_ignore_eos(ctx, "stop-token-ignore-eos", condition, position, evidence)
 
 
 def _stop_text_choice(text: str) -> tuple[str, str, int] | None:
@@ -315,25 +328,18 @@ async def stop_text(ctx: Context) -> Outcome:
     # Hold EOS back up to the word's first possible token (the output's first token is a word at most).
     at = max(1, word)
     condition = generation_pb2.StopCondition(stop_text=stop)
-    request = _stop_request(ctx, "stop-text", at, ignore_eos=False)
-    request.stopping.conditions.append(condition)
-    obs = await ctx.observe(request)
-    finished = _final_finished(obs)
+    what = f"stop_text {stop!r}"
+    obs, finished = await _observe_stop(ctx, "stop-text", condition, at, what)
     _, text = assemble(obs)
-    if finished is None:
-        raise FailCheck(f"stop_text {stop!r}: {_describe(obs)}")
     if not (text.startswith(before.rstrip()) or before.startswith(text)):
         raise SkipCheck(
             f"greedy output with min_tokens {at} differs from the baseline ({text!r} vs {before!r}…): "
             "not reproducible here"
         )
-    if finished.reason != generation_pb2.FINISH_REASON_STOP:
-        raise FailCheck(f"stop_text {stop!r}: {_describe(obs)}, text {text!r}")
-    if finished.stop_match.WhichOneof("match") != "stop_text" or finished.stop_match.stop_text != stop:
-        raise FailCheck(f"stop_text {stop!r}: STOP with stop_match {finished.stop_match}")
+    _require_stop_match(finished, condition, what, f"{what}: {_describe(obs)}, text {text!r}")
     if stop in text:
-        raise FailCheck(f"stop_text {stop!r} appears in the output {text!r} without include_stop_in_output")
-    evidence = f"stop_text {stop!r}: STOP, output {text!r} withholds it"
+        raise FailCheck(f"{what} appears in the output {text!r} without include_stop_in_output")
+    evidence = f"{what}: STOP, output {text!r} withholds it"
     if ctx.advertised("supports_stop_in_output"):
         request = _stop_request(ctx, "stop-text-kept", at, ignore_eos=False)
         request.stopping.conditions.append(condition)
@@ -341,11 +347,9 @@ async def stop_text(ctx: Context) -> Outcome:
         kept = await ctx.observe(request)
         kept_text = assemble(kept)[1]
         if stop not in kept_text:
-            raise FailCheck(f"stop_text {stop!r} with include_stop_in_output: output {kept_text!r} lacks it")
+            raise FailCheck(f"{what} with include_stop_in_output: output {kept_text!r} lacks it")
         evidence += "; kept with include_stop_in_output"
-    honoured, note = await _ignore_eos_probe(ctx, "stop-text-ignore-eos", condition, at)
-    evidence += f"; {note}"
-    return Outcome.passed(evidence) if honoured else Outcome.variant(evidence)
+    return await _with_ignore_eos(ctx, "stop-text-ignore-eos", condition, at, evidence)
 
 
 @check(

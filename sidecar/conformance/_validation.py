@@ -160,6 +160,11 @@ def _mode_missing(ctx: Context, mode: int) -> bool:
     return bool(caps.supported) and mode not in caps.candidate_selection_modes
 
 
+def _logprobs_off(ctx: Context, field: str) -> bool:
+    caps: model_pb2.LogprobCapabilities = getattr(ctx.minfo.generation, field)
+    return caps.HasField("supported") and not caps.supported
+
+
 def _guide_missing(ctx: Context, mode: int) -> bool:
     guided = ctx.minfo.generation.guided_decoding
     return guided.HasField("supported") and mode not in guided.modes
@@ -223,18 +228,12 @@ _PROBES: tuple[_Probe, ...] = (
     ),
     _Probe(
         "prompt logprobs",
-        lambda ctx: (
-            ctx.minfo.generation.prompt_logprobs.HasField("supported")
-            and not ctx.minfo.generation.prompt_logprobs.supported
-        ),
+        lambda ctx: _logprobs_off(ctx, "prompt_logprobs"),
         _logprobs(prompt=True),
     ),
     _Probe(
         "output logprobs",
-        lambda ctx: (
-            ctx.minfo.generation.output_logprobs.HasField("supported")
-            and not ctx.minfo.generation.output_logprobs.supported
-        ),
+        lambda ctx: _logprobs_off(ctx, "output_logprobs"),
         _logprobs(prompt=False),
     ),
     _Probe(

@@ -143,6 +143,14 @@ def _accepted(streams: Iterable[Observation]) -> list[Observation]:
     return [s for s in streams if s.messages]
 
 
+def _ended(streams: Iterable[Observation]) -> list[tuple[Observation, int]]:
+    """The accepted streams that reached their terminal event, with its position (the rest: judge_one_finished)."""
+    return [(obs, end) for obs in _accepted(streams) if (end := terminal_index(obs)) is not None]
+
+
+_NOTHING_ENDED = Finding(None, "no stream with a terminal event (see stream.one_finished_per_output)")
+
+
 def judge_output_index(streams: Sequence[Observation]) -> Finding:
     """Every ``TokenOutput`` and ``GenerationFinished`` carries ``output_index``, 0 included, in ``0 … n−1``."""
     checked = 0
@@ -227,12 +235,10 @@ def judge_one_finished(streams: Sequence[Observation]) -> Finding:
 
 def judge_usage_last(streams: Sequence[Observation]) -> Finding:
     """``usage`` only on the terminal event, cumulative over outputs and self-consistent."""
-    judged = 0
-    for obs in _accepted(streams):
-        end = terminal_index(obs)
-        if end is None:
-            continue  # judged by judge_one_finished
-        judged += 1
+    ended = _ended(streams)
+    if not ended:
+        return _NOTHING_ENDED
+    for obs, end in ended:
         for position, message in enumerate(obs.messages[:end]):
             if message.HasField("usage"):
                 return Finding(
@@ -254,9 +260,7 @@ def judge_usage_last(streams: Sequence[Observation]) -> Finding:
             return Finding(False, f"{_label(obs)}: cached_prompt_tokens {usage.cached_prompt_tokens} > prompt_tokens")
         if usage.HasField("reasoning_tokens") and usage.reasoning_tokens > usage.completion_tokens:
             return Finding(False, f"{_label(obs)}: reasoning_tokens {usage.reasoning_tokens} > completion_tokens")
-    if not judged:
-        return Finding(None, "no stream with a terminal event (see stream.one_finished_per_output)")
-    multi = sum(1 for s in streams if s.n > 1)
+    judged, multi = len(ended), sum(1 for s in streams if s.n > 1)
     return Finding(True, f"{judged} streams ({multi} with n > 1): usage on the terminal event only, totals consistent")
 
 
@@ -301,12 +305,10 @@ def judge_prompt_logprobs(streams: Sequence[Observation]) -> Finding:
 
 def judge_nothing_after_terminal(streams: Sequence[Observation]) -> Finding:
     """After the terminal event nothing more arrives, and the call ends with status ``OK``."""
-    judged = 0
-    for obs in _accepted(streams):
-        end = terminal_index(obs)
-        if end is None:
-            continue  # judged by judge_one_finished
-        judged += 1
+    ended = _ended(streams)
+    if not ended:
+        return _NOTHING_ENDED
+    for obs, end in ended:
         after = obs.messages[end + 1 :]
         if after:
             kinds = [event_of(m) for m in after]
@@ -316,9 +318,7 @@ def judge_nothing_after_terminal(streams: Sequence[Observation]) -> Finding:
             )
         if obs.status is not Status.OK:
             return Finding(False, f"{_label(obs)}: the terminal event was followed by {obs.describe_end()}, not OK")
-    if not judged:
-        return Finding(None, "no stream with a terminal event (see stream.one_finished_per_output)")
-    return Finding(True, f"{judged} streams end with their terminal event, then status OK")
+    return Finding(True, f"{len(ended)} streams end with their terminal event, then status OK")
 
 
 def judge_request_id(streams: Sequence[Observation]) -> Finding:

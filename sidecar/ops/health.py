@@ -30,12 +30,11 @@ import logging
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
-import h11
 import trio
 
 from . import metrics
 from .logs import latest_line
-from .server import HEAD_TIMEOUT_S, read_head, respond
+from .server import HEAD_TIMEOUT_S, read_request, respond
 
 if TYPE_CHECKING:
     from statemachines import WorkerLifecycle
@@ -118,18 +117,10 @@ class StartupPort:
 async def _handle(worker: WorkerLifecycle, stream: trio.SocketStream) -> None:
     try:
         with trio.move_on_after(HEAD_TIMEOUT_S):
-            head = await read_head(stream)
-            if head is None:
+            received = await read_request(stream)
+            if received is None:
                 return
-            conn = h11.Connection(h11.SERVER)
-            conn.receive_data(head)
-            try:
-                request = conn.next_event()
-            except h11.RemoteProtocolError:
-                request = None
-            if not isinstance(request, h11.Request):
-                await stream.send_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
-                return
+            conn, request, _ = received
             path = request.target.decode("latin-1").split("?", 1)[0]
             status, content_type, body = _answer(worker, request.method, path)
             await respond(stream, conn, status, content_type, body)

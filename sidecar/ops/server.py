@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from .feed import StateFeed
 
-__all__ = ["HEAD_TIMEOUT_S", "MAX_HEAD_BYTES", "read_head", "respond", "serve_live_state", "serve_ops"]
+__all__ = ["HEAD_TIMEOUT_S", "MAX_HEAD_BYTES", "read_head", "read_request", "respond", "serve_live_state", "serve_ops"]
 
 log: Final = logging.getLogger("sidecar.ops")
 
@@ -87,6 +87,26 @@ async def read_head(stream: trio.abc.Stream) -> bytes | None:
     return bytes(data)
 
 
+async def read_request(stream: trio.abc.Stream) -> tuple[h11.Connection, h11.Request, bytes] | None:
+    """The request head, parsed: (connection, request, raw head).
+
+    None when there is nothing to answer: EOF, a head too long, or one that is not HTTP (answered 400 here).
+    """
+    head = await read_head(stream)
+    if head is None:
+        return None
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(head)
+    try:
+        event = conn.next_event()
+    except h11.RemoteProtocolError:
+        event = None
+    if not isinstance(event, h11.Request):
+        await stream.send_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        return None
+    return conn, event, head
+
+
 async def respond(
     stream: trio.abc.Stream,
     conn: h11.Connection,
@@ -135,24 +155,13 @@ async def _serve_feed(ws: WebSocketConnection, feed: StateFeed) -> None:
 
 
 async def _handle(feed: StateFeed, page: bytes, stream: trio.abc.Stream) -> None:
-    event: h11.Request | None = None
+    received = None
     try:
         with trio.move_on_after(HEAD_TIMEOUT_S):
-            head = await read_head(stream)
-            if head is None:
-                return
-            conn = h11.Connection(h11.SERVER)
-            conn.receive_data(head)
-            try:
-                parsed = conn.next_event()
-            except h11.RemoteProtocolError:
-                parsed = None
-            if not isinstance(parsed, h11.Request):
-                await stream.send_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
-                return
-            event = parsed
-        if event is None or head is None:
-            return  # the head did not arrive in time
+            received = await read_request(stream)
+        if received is None:
+            return  # nothing to answer, or the head did not arrive in time
+        conn, event, head = received
         path = urlsplit(event.target.decode("latin-1")).path
         headers = {name.lower(): value for name, value in event.headers}
         upgrade = b"websocket" in headers.get(b"upgrade", b"").lower()

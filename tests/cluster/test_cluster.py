@@ -60,6 +60,20 @@ async def _streams(frontends: list[ClusterFrontend], count: int, max_tokens: int
             nursery.start_soon(one)
 
 
+async def _victim_and_others(cluster: Cluster) -> tuple[ClusterWorker, list[ClusterWorker]]:
+    """Worker w1, the one the test stops, and the others, once every frontend routes to every worker."""
+    await wait_instances(list(cluster.frontends.values()), _ids(cluster), timeout=30)
+    victim = cluster.workers["w1"]
+    return victim, [w for w in cluster.workers.values() if w is not victim]
+
+
+async def _until_gone(frontends: list[ClusterFrontend], instance_id: int | None, poll: float) -> None:
+    """Until no frontend lists ``instance_id`` any more (the caller bounds the wait)."""
+    for frontend in frontends:
+        while instance_id in await frontend_instances(frontend.url):
+            await trio.sleep(poll)
+
+
 async def _running(workers: list[ClusterWorker]) -> int:
     return sum([(await engine_load(w.engine_address)).running_requests or 0 for w in workers])
 
@@ -106,10 +120,8 @@ async def test_a_drained_worker_leaves_both_frontends_before_it_exits_and_loses_
     during: list[int] = []
     with trio.fail_after(TEST_BOUND):
         frontends = list(cluster.frontends.values())
-        victim = cluster.workers["w1"]
-        others = [w for w in cluster.workers.values() if w is not victim]
+        victim, others = await _victim_and_others(cluster)
         victim_id = victim.instance_id()
-        await wait_instances(frontends, _ids(cluster), timeout=30)
         async with trio.open_nursery() as nursery:
             # 500 tokens at 10 ms: about 5 s of decoding that the drain must wait for.
             nursery.start_soon(_streams, frontends, 12, 500, in_flight)
@@ -119,9 +131,7 @@ async def test_a_drained_worker_leaves_both_frontends_before_it_exits_and_loses_
             sent = time.monotonic()
             victim.sidecar.signal(signal.SIGTERM)
             with trio.fail_after(10):
-                for frontend in frontends:
-                    while victim_id in await frontend_instances(frontend.url):
-                        await trio.sleep(0.01)
+                await _until_gone(frontends, victim_id, poll=0.01)
             withdrawn = time.monotonic() - sent
             assert victim.sidecar.returncode is None, "the worker exited before both frontends stopped routing to it"
             assert (await engine_load(victim.engine_address)).running_requests, "nothing left to drain: test too slow"
@@ -165,10 +175,8 @@ async def test_a_killed_worker_costs_no_request_while_its_lease_runs_out(cluster
     stop = trio.Event()
     with trio.fail_after(TEST_BOUND):
         frontends = list(cluster.frontends.values())
-        victim = cluster.workers["w1"]
-        others = [w for w in cluster.workers.values() if w is not victim]
+        victim, others = await _victim_and_others(cluster)
         victim_id = victim.instance_id()
-        await wait_instances(frontends, _ids(cluster), timeout=30)
 
         async def client(i: int) -> None:
             # Bounded: at most 500 requests per client, and only until the dead worker is gone (stop).
@@ -186,9 +194,7 @@ async def test_a_killed_worker_costs_no_request_while_its_lease_runs_out(cluster
             victim.sidecar.signal(signal.SIGKILL)
             killed = time.monotonic()
             with trio.fail_after(LEASE_TTL_S + 20):
-                for frontend in frontends:
-                    while victim_id in await frontend_instances(frontend.url):
-                        await trio.sleep(0.2)
+                await _until_gone(frontends, victim_id, poll=0.2)
             gone = time.monotonic() - killed
             await trio.sleep(2.0)  # and a little past it
             stop.set()

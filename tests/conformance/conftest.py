@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,20 +20,7 @@ MOCK_SPEED = ("--decode-ms-per-token", "1")
 
 def start_mock(directory: Path, *args: str, name: str = "mock") -> MockProcess:
     """Start ``openengine-mock`` on an OS-picked loopback port and wait until it listens (30 s bound)."""
-    port_file = directory / f"{name}.port"
-    log_path = directory / f"{name}.log"
-    cmd = [sys.executable, "-m", "sidecar.testing.mock", "--host", "127.0.0.1", "--port", "0"]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [*cmd, "--port-file", str(port_file), *args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
-    mock = MockProcess(proc, port_file, log_path)
-    try:
-        mock.wait_listening()
-    except BaseException:
-        mock.kill()
-        raise
-    return mock
+    return MockProcess.spawn(directory / f"{name}.port", directory / f"{name}.log", ("--host", "127.0.0.1", *args))
 
 
 @pytest.fixture

@@ -1,3 +1,4 @@
+from tests.helpers.scripted_engine import recorder
 from tests.mock.conftest import start_mock
 
-__all__ = ["start_mock"]
+__all__ = ["recorder", "start_mock"]

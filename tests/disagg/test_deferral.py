@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,19 +21,10 @@ from sidecar.convert.handoff import session_to_handoff
 from sidecar.dynamo import RequestContext
 from sidecar.errors import DynamoErrorKind, EngineFailure, HandoffMissing, WorkerDraining
 from sidecar.requests import HungEngine, RequestServer, ServingContext
-from statemachines import REQUEST
 from tests.disagg.test_handoff import engine_session
 from tests.helpers.scripted_engine import RID, Recorder, ScriptedEngine, Step, caps, collect, finished, token
 
 Clock = trio.testing.MockClock
-
-
-@pytest.fixture
-def recorder() -> Iterator[Recorder]:
-    rec = Recorder()
-    REQUEST.observers.append(rec)
-    yield rec
-    REQUEST.observers.remove(rec)
 
 
 def server(engine: ScriptedEngine, role: Any, *, inactivity: float = 30.0) -> RequestServer:

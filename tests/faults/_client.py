@@ -37,9 +37,19 @@ class Outcome:
 
 
 async def stream_completion(
-    url: str, prompt: str, *, max_tokens: int, ignore_eos: bool = True, timeout: float = 60.0, **extra: Any
+    url: str,
+    prompt: str,
+    *,
+    max_tokens: int,
+    ignore_eos: bool = True,
+    timeout: float = 60.0,
+    into: Outcome | None = None,
+    **extra: Any,
 ) -> Outcome:
-    """POST a streaming /v1/completions and collect the whole answer (bounded by ``timeout``)."""
+    """POST a streaming /v1/completions and collect the whole answer (bounded by ``timeout``).
+
+    ``into``: the outcome to fill as the tokens arrive, so that a test can act mid-stream.
+    """
     body = {
         "model": MODEL,
         "prompt": prompt,
@@ -54,7 +64,8 @@ async def stream_completion(
             httpx.AsyncClient(timeout=timeout) as http,
             http.stream("POST", f"{url}/v1/completions", json=body) as response,
         ):
-            outcome = Outcome(status=response.status_code)
+            outcome = into if into is not None else Outcome(status=0)
+            outcome.status = response.status_code
             if response.status_code != 200:
                 outcome.error = (await response.aread()).decode(errors="replace")
                 return outcome
@@ -73,3 +84,14 @@ async def stream_completion(
                 if usage:
                     outcome.completion_tokens = usage.get("completion_tokens")
     return outcome
+
+
+async def stream_many(url: str, count: int, outcomes: list[Outcome], *, max_tokens: int, timeout: float = 60.0) -> None:
+    """``count`` streams at once (prompts "Story 0." …), each outcome appended to ``outcomes`` as its stream ends."""
+    async with trio.open_nursery() as nursery:
+        for i in range(count):
+
+            async def one(i: int = i) -> None:
+                outcomes.append(await stream_completion(url, f"Story {i}.", max_tokens=max_tokens, timeout=timeout))
+
+            nursery.start_soon(one)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import time
+from functools import partial
 
 import pytest
 import trio
@@ -12,19 +13,9 @@ import trio
 from tests.helpers.processes import DynamoEnv, Frontend, list_models
 from tests.helpers.stack import MODEL, engine_load, start_engine, start_sidecar, wait_engine_idle, wait_routable
 
-from ._client import Outcome, stream_completion
+from ._client import Outcome, stream_many
 
 pytestmark = pytest.mark.e2e
-
-
-async def _run_streams(url: str, count: int, max_tokens: int, outcomes: list[Outcome]) -> None:
-    async with trio.open_nursery() as nursery:
-        for i in range(count):
-
-            async def one(i: int = i) -> None:
-                outcomes.append(await stream_completion(url, f"Story {i}.", max_tokens=max_tokens, timeout=90))
-
-            nursery.start_soon(one)
 
 
 async def _deregistered_after(url: str, since: float, timeout: float = 5.0) -> float:
@@ -45,7 +36,7 @@ async def test_sigterm_with_64_streams_in_flight_lets_all_finish_and_exits_0(
         ):
             await wait_routable(frontend.url, workers=1)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_run_streams, frontend.url, 64, 150, outcomes)
+                nursery.start_soon(partial(stream_many, frontend.url, 64, outcomes, max_tokens=150, timeout=90))
                 with trio.fail_after(20):
                     while (await _engine_running(engine.address)) < 64:
                         await trio.sleep(0.02)
@@ -78,7 +69,7 @@ async def test_a_short_drain_deadline_gives_stragglers_a_migratable_error(
         ):
             await wait_routable(frontend.url, workers=1)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_run_streams, frontend.url, 8, 2000, outcomes)
+                nursery.start_soon(partial(stream_many, frontend.url, 8, outcomes, max_tokens=2000, timeout=90))
                 with trio.fail_after(20):
                     while (await _engine_running(engine.address)) < 8:
                         await trio.sleep(0.02)
@@ -101,7 +92,7 @@ async def test_a_second_sigterm_forces_a_fast_but_clean_exit(dynamo_env: DynamoE
         ):
             await wait_routable(frontend.url, workers=1)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_run_streams, frontend.url, 4, 2000, outcomes)
+                nursery.start_soon(partial(stream_many, frontend.url, 4, outcomes, max_tokens=2000, timeout=90))
                 with trio.fail_after(20):
                     while (await _engine_running(engine.address)) < 4:
                         await trio.sleep(0.02)

@@ -5,6 +5,7 @@ run to their end within the grace, new streams are refused. Requests in flight m
 from __future__ import annotations
 
 import signal
+from functools import partial
 
 import pytest
 import trio
@@ -12,7 +13,7 @@ import trio
 from tests.helpers.processes import DynamoEnv, Frontend
 from tests.helpers.stack import dump_logs, engine_load, mock_stats, start_engine, start_sidecar, wait_routable
 
-from ._client import Outcome, stream_completion
+from ._client import Outcome, stream_many
 
 pytestmark = pytest.mark.e2e
 
@@ -32,12 +33,7 @@ async def test_requests_in_flight_complete_when_the_engine_stops_gracefully(
             await wait_routable(frontend.url, workers=1)
             try:
                 async with trio.open_nursery() as nursery:
-
-                    async def one(i: int) -> None:
-                        outcomes.append(await stream_completion(frontend.url, f"Story {i}.", max_tokens=TOKENS))
-
-                    for i in range(STREAMS):
-                        nursery.start_soon(one, i)
+                    nursery.start_soon(partial(stream_many, frontend.url, STREAMS, outcomes, max_tokens=TOKENS))
                     with trio.fail_after(20):
                         while (await engine_load(engine.address)).running_requests != STREAMS:
                             await trio.sleep(0.01)

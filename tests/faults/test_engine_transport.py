@@ -4,15 +4,14 @@ TLS in operation (a rotated client certificate, the worker's bound sockets), a U
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import re
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
-import httpx
 import pytest
 import trio
 
@@ -28,36 +27,6 @@ FAST_WATCH = (
     "--health-poll-interval-secs", "0.2", "--health-failure-threshold", "2", "--grpc-retry-interval-secs", "0.2",
     "--reconnect-backoff-max-secs", "0.5", "--abort-timeout-secs", "1",
 )  # fmt: skip
-
-
-async def stream_into(url: str, prompt: str, max_tokens: int, outcome: Outcome) -> None:
-    """Like ``stream_completion``, but ``outcome`` fills as the tokens arrive (a test can act mid-stream)."""
-    body = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-    }
-    async with (
-        httpx.AsyncClient(timeout=60) as http,
-        http.stream("POST", f"{url}/v1/completions", json=body) as response,
-    ):
-        outcome.status = response.status_code
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line.removeprefix("data: "))
-            if "error" in event:
-                outcome.error = event["error"]
-            for choice in event.get("choices", []):
-                if choice.get("text"):
-                    outcome.pieces.append(choice["text"])
-                if choice.get("finish_reason"):
-                    outcome.finish_reason = choice["finish_reason"]
-            if usage := event.get("usage"):
-                outcome.completion_tokens = usage.get("completion_tokens")
 
 
 # ---------------------------------------------------------------------------------------------- GOAWAY
@@ -77,7 +46,9 @@ async def test_in_flight_requests_finish_across_the_engines_graceful_stop(
                 outcomes = [Outcome(status=0) for _ in range(8)]
                 async with trio.open_nursery() as nursery:
                     for i, outcome in enumerate(outcomes):
-                        nursery.start_soon(stream_into, frontend.url, f"Story {i}", 40, outcome)
+                        nursery.start_soon(
+                            partial(stream_completion, frontend.url, f"Story {i}", max_tokens=40, into=outcome)
+                        )
                     with trio.fail_after(60):
                         while min(len(o.pieces) for o in outcomes) < 10:
                             await trio.sleep(0.005)

@@ -281,6 +281,12 @@ def state(worker: Worker) -> str:
     return worker.lifecycle.state
 
 
+async def wait_state(worker: Worker, target: str, within: float) -> None:
+    with trio.fail_after(within):
+        while state(worker) != target:
+            await trio.sleep(0.05)
+
+
 def body(**sampling: Any) -> dict[str, Any]:
     return {"token_ids": [5, 6, 7], "stop_conditions": {"max_tokens": 4}, "sampling_options": sampling}
 
@@ -466,9 +472,7 @@ async def test_a_hung_engine_withdraws_the_worker_at_the_first_timeout_and_a_can
         await trio.sleep(12)
         assert state(worker) == "degraded"
         engine.producing = True
-        with trio.fail_after(20):
-            while state(worker) != "serving":
-                await trio.sleep(0.05)
+        await wait_state(worker, "serving", 20)
         assert (await complete(worker, body(), "after"))[-1]["finish_reason"] == "length"
         nursery.cancel_scope.cancel()
     degrade = [(t, e) for t, e, d in transitions if e == "degrade"]
@@ -499,15 +503,11 @@ async def test_an_engine_lost_while_the_registration_watchdog_holds_the_worker_o
         await run_watchers(nursery, worker, engine, dynamo)
         nursery.start_soon(worker._watch_registration, dynamo)  # type: ignore[arg-type]
         dynamo.unwritable = set(unwritable)
-        with trio.fail_after(10):
-            while state(worker) != "degraded":
-                await trio.sleep(0.05)
+        await wait_state(worker, "degraded", 10)
         assert not dynamo.is_routable()
         lost_at = trio.current_time()
         engine.up = False
-        with trio.fail_after(30):
-            while state(worker) != "reconnecting":
-                await trio.sleep(0.05)
+        await wait_state(worker, "reconnecting", 30)
         engine.restart(instance="engine-2")
         # Back from the engine loss, but still out of routing: the watchdog holds it out until it can write.
         with trio.fail_after(30):
@@ -520,9 +520,7 @@ async def test_an_engine_lost_while_the_registration_watchdog_holds_the_worker_o
         assert worker._fatal.is_set() is False
         # Writable again: the next check restores everything and the worker serves the new engine.
         dynamo.unwritable.clear()
-        with trio.fail_after(10):
-            while state(worker) != "serving":
-                await trio.sleep(0.05)
+        await wait_state(worker, "serving", 10)
         assert dynamo.is_routable()
         assert (await complete(worker, body(), "after"))[-1]["finish_reason"] == "length"
         nursery.cancel_scope.cancel()
@@ -542,9 +540,7 @@ async def test_an_instance_that_cannot_be_written_when_health_recovers_leaves_th
         await run_watchers(nursery, worker, engine, dynamo)
         nursery.start_soon(worker._watch_registration, dynamo)  # type: ignore[arg-type]
         engine.ready = False
-        with trio.fail_after(30):
-            while state(worker) != "degraded":
-                await trio.sleep(0.05)
+        await wait_state(worker, "degraded", 30)
         dynamo.unwritable = {"instance"}
         engine.ready = True
         with trio.fail_after(30):
@@ -554,9 +550,7 @@ async def test_an_instance_that_cannot_be_written_when_health_recovers_leaves_th
         assert state(worker) == "degraded"
         assert not dynamo.is_routable()
         dynamo.unwritable.clear()
-        with trio.fail_after(10):
-            while state(worker) != "serving":
-                await trio.sleep(0.05)
+        await wait_state(worker, "serving", 10)
         assert dynamo.is_routable()
         assert (await complete(worker, body(), "after"))[-1]["finish_reason"] == "length"
         nursery.cancel_scope.cancel()

@@ -13,35 +13,21 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
 
 from openengine.v1 import generation_pb2
-from openengine_bp.openengine.v1 import SubscribeKvEventsRequest
-from sidecar.convert import Capabilities
-from sidecar.dynamo import DynamoSettings, Registration, RequestContext, open_dynamo
-from sidecar.edge import open_edge
-from sidecar.engine import EngineClient, EngineClientConfig, open_engine_client
-from sidecar.kv import RoutingConfig, discover_routing, run_routing_signals
-from sidecar.kv._convert import decode_block_hash
+from sidecar.engine import EngineClient
+from sidecar.kv import RoutingConfig, run_routing_signals
 from sidecar.testing.mock.kvcache import BlockPool, BlockRemoved, KvEvent, block_hash, prompt_block_hashes
-from tests.engine.conftest import start_mock
 
+from .dynamo_stack import engine_blocks, engine_with_plan, loopback_dynamo, registered_worker
 from .mock_traffic import BS, prompt
 
-if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
-
-MODEL_DIR = Path(__file__).resolve().parents[2] / "sidecar" / "testing" / "mock" / "model"
 CONFIG = RoutingConfig(resync_backoff_s=0.05, load_poll_interval_s=0.5)
 REMOVE_WARNING = re.compile(r"Failed to find block to remove")
 PARENT_WARNING = re.compile(r"Failed to find parent block")
-
-
-async def _handler(request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[list[dict[str, Any]]]:
-    yield [{"token_ids": [1], "finish_reason": "length"}]
 
 
 async def run(
@@ -80,43 +66,18 @@ def fill_prompt(i: int) -> list[int]:
     return [5 + i % 250, 5 + i // 250] + [(i * 7 + j) % 300 + 5 for j in range(16 * BS - 2)]
 
 
-async def engine_blocks(client: EngineClient) -> set[int]:
-    """The engine's registered blocks, from a snapshot subscription of our own."""
-    request = SubscribeKvEventsRequest(data_parallel_ranks=[0], include_snapshot=True)
-    async with client.subscribe_kv_events(request) as stream:
-        async for messages in stream:
-            batch = messages[0].batch
-            assert batch is not None
-            stored = (e.block_stored for e in batch.events if e.block_stored is not None)
-            return {decode_block_hash(h) for event in stored for h in event.block_hashes}
-    raise AssertionError("no snapshot")
-
-
 @pytest.mark.parametrize("total_blocks", [512, 4096])
 async def test_the_repro_leaves_dynamos_indexer_without_warnings(
     total_blocks: int, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    for name in ("DYN_TCP_RPC_HOST", "DYN_EVENT_PLANE_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_SYSTEM_HOST"):
-        monkeypatch.setenv(name, "127.0.0.1")
-    monkeypatch.setenv("DYN_SELF_HOST_METADATA", "0")
-    monkeypatch.setenv("HOME", str(tmp_path))
+    loopback_dynamo(monkeypatch, tmp_path)
+    mock_flags = ("--total-kv-blocks", str(total_blocks), "--kv-events", "grpc", "--kv-snapshot")
     with trio.fail_after(240):
-        async with (
-            start_mock("--total-kv-blocks", str(total_blocks), "--kv-events", "grpc", "--kv-snapshot") as mock,
-            open_edge() as edge,
-            open_engine_client(edge, EngineClientConfig(endpoint=mock.endpoint, connections=2)) as client,
-        ):
-            await client.wait_connected(trio.current_time() + 20)
-            caps = Capabilities.from_discovery(await client.get_server_info(), await client.get_model_info("tiny-oe"))
-            plan = await discover_routing(client, caps, CONFIG)
-            assert plan.kv_events
+        async with engine_with_plan(CONFIG, *mock_flags) as (edge, client, plan):
             shared = prompt(1, blocks=8)
             seed, natural = await find_natural_stop(client, shared)
-            settings = DynamoSettings(discovery_backend="mem", namespace=f"replay{id(tmp_path) % 100000}")
-            registration = Registration(model_path=str(MODEL_DIR), served_model_name="tiny-oe", context_length=4096)
-            async with open_dynamo(edge, settings) as dynamo, trio.open_nursery() as nursery:
-                await dynamo.serve(nursery, _handler)
-                await dynamo.register(plan.registration(registration))
+            namespace = f"replay{id(tmp_path) % 100000}"
+            async with registered_worker(edge, plan, namespace, context_length=4096) as (dynamo, nursery):
                 signals = await nursery.start(run_routing_signals, client, dynamo, plan, CONFIG)
                 subscription = signals.subscriptions[0]
                 with trio.fail_after(10):

@@ -18,23 +18,16 @@ from typing import Any
 import pytest
 import trio
 
-from openengine_bp.openengine.v1 import SubscribeKvEventsRequest
-from sidecar.dynamo import DynamoSettings, DynamoWorker, Registration, RequestContext, open_dynamo
-from sidecar.edge import Edge, open_edge
-from sidecar.engine import EngineClient, EngineClientConfig, open_engine_client
-from sidecar.kv import RoutingConfig, RoutingSignals, discover_routing, run_routing_signals
-from sidecar.kv._convert import decode_block_hash
+from sidecar.dynamo import DynamoWorker
+from sidecar.edge import Edge
+from sidecar.engine import EngineClient
+from sidecar.kv import RoutingConfig, RoutingSignals, run_routing_signals
 from sidecar.testing.mock.kvcache import prompt_block_hashes
-from tests.engine.conftest import start_mock
 
+from .dynamo_stack import engine_blocks, engine_with_plan, loopback_dynamo, registered_worker
 from .mock_traffic import BS, generate, prompt
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / "sidecar" / "testing" / "mock" / "model"
 CONFIG = RoutingConfig(resync_backoff_s=0.05, load_poll_interval_s=0.2)
-
-
-async def _handler(request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[list[dict[str, Any]]]:
-    yield [{"token_ids": [1], "finish_reason": "length"}]
 
 
 async def _new_router(endpoint: Any) -> Any:
@@ -69,43 +62,16 @@ class Setup:
         return sum(len(e["event"]["data"]["stored"]["blocks"]) for e in events if "stored" in e["event"]["data"])
 
     async def engine_blocks(self) -> set[int]:
-        """The engine's registered blocks, from a snapshot of a subscription of our own."""
-        request = SubscribeKvEventsRequest(data_parallel_ranks=[0], include_snapshot=True)
-        async with self.client.subscribe_kv_events(request) as stream:
-            async for messages in stream:
-                batch = messages[0].batch
-                assert batch is not None
-                return {
-                    decode_block_hash(h)
-                    for e in batch.events
-                    if e.block_stored is not None
-                    for h in e.block_stored.block_hashes
-                }
-        raise AssertionError("no snapshot")
+        return await engine_blocks(self.client)
 
 
 @asynccontextmanager
 async def setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *mock_flags: str) -> AsyncIterator[Setup]:
-    for name in ("DYN_TCP_RPC_HOST", "DYN_EVENT_PLANE_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_SYSTEM_HOST"):
-        monkeypatch.setenv(name, "127.0.0.1")
-    monkeypatch.setenv("DYN_SELF_HOST_METADATA", "0")
-    monkeypatch.setenv("HOME", str(tmp_path))
-    async with (
-        start_mock("--profile", "full", "--total-kv-blocks", "12", *mock_flags) as mock,
-        open_edge() as edge,
-        open_engine_client(edge, EngineClientConfig(endpoint=mock.endpoint, connections=2)) as client,
-    ):
-        await client.wait_connected(trio.current_time() + 20)
-        from sidecar.convert import Capabilities
-
-        caps = Capabilities.from_discovery(await client.get_server_info(), await client.get_model_info("tiny-oe"))
-        plan = await discover_routing(client, caps, CONFIG)
-        assert plan.kv_events
-        settings = DynamoSettings(discovery_backend="mem", namespace=f"kvview{id(tmp_path) % 100000}")
-        registration = Registration(model_path=str(MODEL_DIR), served_model_name="tiny-oe", context_length=2048)
-        async with open_dynamo(edge, settings) as dynamo, trio.open_nursery() as nursery:
-            await dynamo.serve(nursery, _handler)
-            await dynamo.register(plan.registration(registration))
+    loopback_dynamo(monkeypatch, tmp_path)
+    flags = ("--profile", "full", "--total-kv-blocks", "12", *mock_flags)
+    async with engine_with_plan(CONFIG, *flags) as (edge, client, plan):
+        namespace = f"kvview{id(tmp_path) % 100000}"
+        async with registered_worker(edge, plan, namespace, context_length=2048) as (dynamo, nursery):
             router = await edge.run(_new_router, dynamo._endpoint)
             await trio.sleep(0.5)  # the router finds the worker and its event publisher
             signals = await nursery.start(run_routing_signals, client, dynamo, plan, CONFIG)

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,22 @@ class MockProcess:
         self.port_file = port_file
         self.log_path = log_path
         self.address = ""
+
+    @classmethod
+    def spawn(cls, port_file: Path, log_path: Path, args: Sequence[str], *, wait: bool = True) -> MockProcess:
+        """``openengine-mock --port 0 --port-file PORT_FILE ARGS``, its output in ``log_path``; with ``wait``, once it
+        listens (killed if it never does)."""
+        cmd = [sys.executable, "-m", "sidecar.testing.mock", "--port", "0", "--port-file", str(port_file), *args]
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        mock = cls(proc, port_file, log_path)
+        if wait:
+            try:
+                mock.wait_listening()
+            except BaseException:
+                mock.kill()
+                raise
+        return mock
 
     def wait_listening(self, timeout: float = START_TIMEOUT_S) -> str:
         deadline = time.monotonic() + timeout
@@ -64,17 +80,7 @@ def _start(directory: Path, args: tuple[str, ...], *, wait: bool = True) -> Mock
     k = next(_counter)
     port_file = directory / f"mock-{os.getpid()}-{k}.port"
     log_path = directory / f"mock-{os.getpid()}-{k}.log"
-    cmd = [sys.executable, "-m", "sidecar.testing.mock", "--port", "0", "--port-file", str(port_file), "--speedup", "0"]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    mock = MockProcess(proc, port_file, log_path)
-    if wait:
-        try:
-            mock.wait_listening()
-        except BaseException:
-            mock.kill()
-            raise
-    return mock
+    return MockProcess.spawn(port_file, log_path, ("--speedup", "0", *args), wait=wait)
 
 
 StartMock = Callable[..., MockProcess]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -75,6 +77,15 @@ def test_subcommands_are_dispatched(command: str, capsys: pytest.CaptureFixture[
     assert f"openengine-sidecar {command}" in capsys.readouterr().out
 
 
+@asynccontextmanager
+async def ops_feed(worker: WorkerLifecycle) -> AsyncIterator[str]:
+    """The ops port serving ``worker``'s feed on loopback while the body runs; yields its websocket URL."""
+    async with trio.open_nursery() as nursery:
+        host, port = await nursery.start(serve_ops, StateFeed(worker=worker), "127.0.0.1", 0)
+        yield f"ws://{host}:{port}/ws"
+        nursery.cancel_scope.cancel()
+
+
 def test_status_without_a_url_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DYN_SIDECAR_OPS_PORT", raising=False)
     with pytest.raises(SystemExit) as exited:
@@ -83,17 +94,13 @@ def test_status_without_a_url_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) 
 
 
 async def test_status_prints_the_snapshot(worker_model: WorkerLifecycle) -> None:
-    feed = StateFeed(worker=worker_model)
     console = Console(record=True, width=100, force_terminal=False)
     with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            host, port = await nursery.start(serve_ops, feed, "127.0.0.1", 0)
-            url = f"ws://{host}:{port}/ws"
+        async with ops_feed(worker_model) as url:
             assert await ops_cli._status(url, 5, False, console) == ops_cli.EXIT_NOT_SERVING  # starting
             text = console.export_text()
             assert await ops_cli._status(url, 5, True, console) == ops_cli.EXIT_NOT_SERVING
             raw = console.export_text()
-            nursery.cancel_scope.cancel()
     assert "worker starting" in text
     assert "request: now" in text
     assert json.loads(raw)["type"] == "snapshot"
@@ -158,12 +165,9 @@ async def test_a_server_that_is_not_the_feed_is_one_line_without_its_page(capsys
 async def test_status_exit_code_says_whether_the_worker_serves(
     worker_model: WorkerLifecycle, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    feed = StateFeed(worker=worker_model)
     console = Console(record=True, width=100, force_terminal=False)
     with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            host, port = await nursery.start(serve_ops, feed, "127.0.0.1", 0)
-            url = f"ws://{host}:{port}/ws"
+        async with ops_feed(worker_model) as url:
             worker_model.fire("connect", reason="127.0.0.1:50051")
             assert await ops_cli._status(url, 5, False, console) == ops_cli.EXIT_NOT_SERVING
             assert "not serving (connecting: 127.0.0.1:50051)" in _one_line(capsys.readouterr().err)
@@ -171,7 +175,6 @@ async def test_status_exit_code_says_whether_the_worker_serves(
                 worker_model.fire(event)
             assert await ops_cli._status(url, 5, False, console) == ops_cli.EXIT_OK
             assert await ops_cli._status(url, 5, True, console) == ops_cli.EXIT_OK
-            nursery.cancel_scope.cancel()
 
 
 def test_a_bad_probe_endpoint_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
