@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from ._link import Link
 
-__all__ = ["AsyncioCall", "BatchStream"]
+__all__ = ["AsyncioCall", "BatchStream", "Feed", "FeedStream"]
 
 T = TypeVar("T")
 
@@ -298,3 +298,199 @@ class _Pump(Generic[T]):
             else:
                 self._link.to_trio(self._sink._end)
         self._link.to_trio(self._sink._finished)
+
+
+class FeedStream(Inbox[T]):
+    """What ``Edge.open_feed`` returns: like :class:`BatchStream`, but fed by callbacks on the loop instead of by a
+    pump task iterating an asyncio iterator.
+
+    For a producer that already runs as loop callbacks (a protocol's ``data_received``): it hands its items to
+    :meth:`Feed.push` as they arrive, so nothing on the loop wakes per item or per batch -- no task, no future. The
+    rules are :class:`BatchStream`'s: batches in order, then the error (the same object) or the end; one consumer
+    task; leaving the block tells the producer (:attr:`Feed.on_cancel`, on the loop) and waits at most 1 s for it to
+    finish.
+    """
+
+    __slots__ = ("_busy", "_done_event", "_feed", "_feed_finished", "_waiter")
+
+    def __init__(self, link: Link, start: Callable[..., None], args: tuple[object, ...], high_water: int) -> None:
+        if high_water < 1:
+            raise ValueError(f"high_water must be at least 1, not {high_water}")
+        super().__init__(link)  # the inbox: trio's
+        self._feed: Final = Feed(link, self, start, args, high_water)
+        self._busy = False
+        self._waiter: trio.lowlevel.Task | None = None
+        self._feed_finished = False
+        self._done_event: trio.Event | None = None
+
+    async def __aenter__(self) -> FeedStream[T]:
+        await trio.lowlevel.checkpoint()
+        if not self._link.to_loop(self._feed._start):
+            raise EdgeClosed("the edge loop is closed")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        feed = self._feed
+        feed.stopped = True
+        self._closed = True
+        if not self._feed_finished and self._link.to_loop(feed._cancel):
+            with trio.CancelScope(shield=True), trio.move_on_after(EXIT_GRACE) as bound:
+                while not self._feed_finished:
+                    self._done_event = trio.Event()
+                    await self._done_event.wait()
+            if bound.cancelled_caught:
+                logger.warning("edge: a feed did not finish within %.1f s of being cancelled", EXIT_GRACE)
+        self._batches.clear()
+
+    def __aiter__(self) -> FeedStream[T]:
+        return self
+
+    async def __anext__(self) -> list[T]:
+        if self._busy:
+            raise trio.BusyResourceError("another task is already iterating this stream")
+        self._busy = True
+        try:
+            if self._batches:
+                await trio.lowlevel.checkpoint()
+            while (batch := self._take()) is None:
+                self._waiter = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
+        finally:
+            self._busy = False
+        if self._feed.wants_credit:  # read after writing `taken`: see Feed.hold
+            self._link.to_loop(self._feed._credit)
+        return batch
+
+    def _abort_wait(self, _: object) -> trio.lowlevel.Abort:
+        self._waiter = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    # trio thread (Inbox's hooks)
+
+    def _wake(self) -> None:
+        if (task := self._waiter) is not None:
+            self._waiter = None
+            trio.lowlevel.reschedule(task)
+
+    def _pump_gone(self) -> None:
+        self._feed_finished = True
+        if self._done_event is not None:
+            self._done_event.set()
+
+
+class Feed(Generic[T]):
+    """The loop side of a :class:`FeedStream`: what its producer calls, on the loop thread only.
+
+    ``start(feed, *args)`` is called on the loop when trio enters the stream; it sets :attr:`on_cancel` and arranges
+    for :meth:`push`, then :meth:`end` or :meth:`fail` (the first of the two counts; both are no-ops after it).
+
+    Backpressure: :meth:`push` always hands its items over (a producer bounded by something else -- an HTTP/2
+    window -- cannot un-receive them) and returns whether the consumer is below ``high_water`` items not taken.
+    A producer that must hold back calls :meth:`hold` with a callback; it runs on the loop once the consumer has
+    taken items (only a holding producer is posted to: a consumer that keeps up sends nothing back).
+    """
+
+    __slots__ = ("_args", "_done", "_high_water", "_link", "_on_room", "_posted", "_sink", "_start_fn", "on_cancel",
+                 "stopped", "wants_credit")  # fmt: skip
+
+    def __init__(
+        self, link: Link, sink: FeedStream[T], start: Callable[..., None], args: tuple[object, ...], high_water: int
+    ) -> None:
+        self._link: Final = link
+        self._sink: Final = sink
+        self._start_fn: Final = start
+        self._args: Final = args
+        self._high_water: Final = high_water
+        self._posted = 0  # loop: items pushed so far
+        self._done = False  # loop: end, fail or the cancel has been handled
+        self._on_room: Callable[[], None] | None = None  # loop: the holding producer's callback
+        #: Loop: called once if trio leaves before the end (set by the producer; replace it as its state changes).
+        self.on_cancel: Callable[[], object] | None = None
+        #: Written by trio when it leaves, read by the loop (the producer may look before doing more work).
+        self.stopped = False
+        #: Written by the loop, read by trio: a producer holds back until the consumer takes items.
+        self.wants_credit = False
+
+    @property
+    def has_room(self) -> bool:
+        """Fewer than ``high_water`` items pushed and not yet taken by trio."""
+        return self._posted - self._sink.taken < self._high_water
+
+    @property
+    def done(self) -> bool:
+        """True once the feed ended, failed or was cancelled: pushes are dropped from then on."""
+        return self._done
+
+    def push(self, items: list[T]) -> bool:
+        """Hand ``items`` (non-empty; not touched by the producer afterwards) to trio; returns :attr:`has_room`."""
+        if self._done:
+            return False
+        self._posted += len(items)
+        if not self._link.to_trio(self._sink._deliver, items):
+            self._done = True
+            return False
+        return self._posted - self._sink.taken < self._high_water
+
+    def hold(self, on_room: Callable[[], None]) -> None:
+        """Call ``on_room()`` (on the loop) once the consumer is below ``high_water`` again; at once if it is now."""
+        self._on_room = on_room
+        self.wants_credit = True
+        # A second look after raising the flag: a consumer that took items before it saw the flag shows up in
+        # `taken` now; one that takes items after this look sees the flag and posts `_credit`.
+        self._credit()
+
+    def end(self) -> None:
+        """The stream is complete: trio's iteration ends after every item pushed."""
+        if not self._done:
+            self._done = True
+            self._link.feeds.discard(self)
+            self._link.to_trio(self._sink._end)
+            self._link.to_trio(self._sink._finished)
+
+    def fail(self, error: BaseException) -> None:
+        """The stream failed: ``error`` (the same object) is raised in trio after every item pushed."""
+        if not self._done:
+            self._done = True
+            self._link.feeds.discard(self)
+            self._link.to_trio(self._sink._fail, error)
+            self._link.to_trio(self._sink._finished)
+
+    def fail_cancelled(self) -> None:
+        """The producer's own task was cancelled by someone other than trio (the loop shutting down, most likely)."""
+        self.fail(self._link.asyncio_cancelled())
+
+    # loop callbacks posted by trio
+
+    def _start(self) -> None:
+        if self.stopped:
+            self._done = True
+            self._link.to_trio(self._sink._finished)
+            return
+        self._link.feeds.add(self)
+        try:
+            self._start_fn(self, *self._args)
+        except Exception as exc:
+            self.fail(exc)
+
+    def _cancel(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._link.feeds.discard(self)
+        self.wants_credit = False
+        on_cancel, self.on_cancel = self.on_cancel, None
+        try:
+            if on_cancel is not None:
+                on_cancel()
+        except Exception:
+            logger.exception("edge: cancelling a feed's producer failed")
+        finally:
+            self._link.to_trio(self._sink._finished)
+
+    def _credit(self) -> None:
+        on_room = self._on_room
+        if on_room is not None and self._posted - self._sink.taken < self._high_water:
+            self._on_room = None
+            self.wants_credit = False
+            if not self._done:
+                on_room()

@@ -74,6 +74,7 @@ from sidecar.errors import EngineRpcError, GrpcCode
 
 from . import _grpclib_lean
 from ._compat import CLIENT_REVISION, PINNED_SCHEMA_RELEASE
+from ._direct import start_direct_stream
 from ._metadata import TraceContext, check_metadata
 from ._status import to_engine_rpc_error
 from ._transport import GoawayRefused, PooledChannel, TlsFiles, TlsSource
@@ -81,7 +82,7 @@ from ._transport import GoawayRefused, PooledChannel, TlsFiles, TlsSource
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
-    from sidecar.edge import BatchStream, Edge
+    from sidecar.edge import BatchStream, Edge, Feed, FeedStream
 
     from ._config import EngineClientConfig
 
@@ -150,7 +151,7 @@ class BatchIterator(Generic[_T]):
 
     __slots__ = ("_batches", "_rpc")
 
-    def __init__(self, rpc: str, batches: BatchStream[_T]) -> None:
+    def __init__(self, rpc: str, batches: BatchStream[_T] | FeedStream[_T]) -> None:
         self._rpc = rpc
         self._batches = batches
 
@@ -446,16 +447,14 @@ class EngineClient:
             pairs.extend(trace.pairs())
         check_metadata(pairs)
         channel = self._pick_channel("Generate")
-        return self._server_stream(
-            "Generate",
-            channel,
-            GENERATE_PATH,
-            request,
-            generation_pb2.GenerateRequest,
-            generation_pb2.GenerateResponse,
-            pairs,
-            timeout_s,
-        )
+        # Received straight from the HTTP/2 events (_direct.py): no grpclib stream, buffer or task per message.
+        try:
+            feed = self._edge.open_feed(
+                _aio_start_generate, channel, request, pairs, timeout_s, self._config.max_message_bytes
+            )
+        except EdgeError as exc:
+            raise EngineRpcError("Generate", GrpcCode.UNAVAILABLE, f"the edge loop is gone: {exc}") from exc
+        return BatchIterator("Generate", feed)
 
     # ------------------------------------------------------------------ Control
 
@@ -748,6 +747,20 @@ def _note_stream_limit(rpc: str, channel: PooledChannel) -> None:
             limit,
             rpc,
         )
+
+
+def _aio_start_generate(
+    feed: Feed[generation_pb2.GenerateResponse],
+    channel: PooledChannel,
+    request: generation_pb2.GenerateRequest,
+    metadata: list[tuple[str, str]],
+    timeout_s: float | None,
+    max_bytes: int,
+) -> None:
+    start_direct_stream(
+        feed, "Generate", channel, GENERATE_PATH, request, generation_pb2.GenerateResponse, metadata, timeout_s,
+        max_bytes, _note_stream_limit,
+    )  # fmt: skip
 
 
 async def _aio_unary(
