@@ -29,6 +29,7 @@ Clients:
 * ``path-h2repr`` — the same with hyperframe's own ``Frame.__repr__`` restored (``--repr-ab``): what the engine
   client's repr patch saves, toggled in one run;
 * ``path@NAME``  — the same, imported from another checkout (``--tree NAME=DIR``): a before/after in one run;
+  ``ours@NAME`` likewise for ``ours`` (unless ``--path-only``);
 * ``reference``  — ``grpc.aio`` channel, ``unary_stream('/openengine.v1.Inference/Generate')`` with upb
   (de)serializers, consumed with ``async for`` (one channel, as grpcio users write it).
 """
@@ -385,8 +386,9 @@ def run_child(client: str, streams: int, target: str, pid: int, args: argparse.N
         argv.append("--h2-repr")
     if client == "ours-nodetok":
         argv.append("--no-detokenize")
-    # path@NAME: the same child, imported from another checkout (--tree NAME=DIR), e.g. the commit before a change.
-    tree = dict(args.tree)[client.partition("@")[2]] if client.startswith("path@") else None
+    # path@NAME / ours@NAME: the same child, imported from another checkout (--tree NAME=DIR), e.g. the commit before
+    # a change.
+    tree = dict(args.tree)[client.partition("@")[2]] if "@" in client else None
     env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
     preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
     done = subprocess.run(
@@ -481,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
                 clients = ["ours", "ours-nodetok"] if streams > 1 else []
             elif streams > 1 and not args.no_1conn and not args.path_only:
                 clients.append("ours-1conn")
+            if not args.path_only and not args.detokenize_ab:
+                clients.extend(f"ours@{name}" for name, _ in args.tree)
             if streams > 1 and not args.detokenize_ab:
                 clients.append("path")
                 if args.repr_ab:
@@ -549,10 +553,12 @@ def print_table(results: dict[tuple[str, int], list[Result]], stream_counts: lis
                 f"without ({patched / original:.2f}x)"
             )
         for client, count in cpu:
-            if count == streams and "@" in client and ("path", streams) in cpu:
-                here, there = cpu[("path", streams)], cpu[(client, streams)]
+            kind = client.partition("@")[0]
+            if count == streams and "@" in client and (kind, streams) in cpu:
+                here, there = cpu[(kind, streams)], cpu[(client, streams)]
+                what = "request path" if kind == "path" else "engine client alone"
                 print(
-                    f"request path at {streams} stream(s): {here:.1f} µs/msg here, {there:.1f} in "
+                    f"{what} at {streams} stream(s): {here:.1f} µs/msg here, {there:.1f} in "
                     f"{client.partition('@')[2]} ({here / there:.2f}x)"
                 )
         ref = rates.get(("reference", streams))

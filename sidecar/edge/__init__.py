@@ -18,6 +18,7 @@ either side is shielded and time-bounded.
 from ._errors import BridgeCancelled as BridgeCancelled
 from ._errors import EdgeClosed as EdgeClosed
 from ._errors import EdgeError as EdgeError
+from ._errors import StreamIdle as StreamIdle
 from ._thread import Edge as Edge
 from ._thread import open_edge as open_edge
 from ._to_asyncio import BatchStream as BatchStream

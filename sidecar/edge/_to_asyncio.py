@@ -8,12 +8,13 @@ trio and read by the pump between two items (see :class:`_Pump`).
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Final, Generic, TypeVar
+import math
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 import outcome
 import trio
 
-from ._errors import EdgeClosed
+from ._errors import EdgeClosed, StreamIdle
 from ._inbox import Inbox
 from ._link import EXIT_GRACE, MAX_BATCH, aclose_iterator, logger
 
@@ -365,6 +366,17 @@ class FeedStream(Inbox[T]):
         self._waiter = None
         return trio.lowlevel.Abort.SUCCEEDED
 
+    def watch_idle(self, seconds: float) -> None:
+        """From now on, a consumer waiting while nothing was pushed for ``seconds`` gets :class:`StreamIdle` raised
+        (the stream stays open). One timer on the loop per stream, instead of a deadline per wait in trio."""
+        self._link.to_loop(self._feed._watch_idle, seconds)
+
+    def interrupt(self, error: BaseException) -> None:
+        """Raise ``error`` in the consumer if it is waiting in ``__anext__`` now (else nothing happens)."""
+        if (task := self._waiter) is not None:
+            self._waiter = None
+            trio.lowlevel.reschedule(task, outcome.Error(error))
+
     # trio thread (Inbox's hooks)
 
     def _wake(self) -> None:
@@ -390,8 +402,8 @@ class Feed(Generic[T]):
     taken items (only a holding producer is posted to: a consumer that keeps up sends nothing back).
     """
 
-    __slots__ = ("_args", "_done", "_high_water", "_link", "_on_room", "_posted", "_sink", "_start_fn", "on_cancel",
-                 "stopped", "wants_credit")  # fmt: skip
+    __slots__ = ("_args", "_done", "_high_water", "_idle_s", "_link", "_on_room", "_posted", "_quiet_since", "_sink",
+                 "_start_fn", "on_cancel", "stopped", "wants_credit")  # fmt: skip
 
     def __init__(
         self, link: Link, sink: FeedStream[T], start: Callable[..., None], args: tuple[object, ...], high_water: int
@@ -404,6 +416,9 @@ class Feed(Generic[T]):
         self._posted = 0  # loop: items pushed so far
         self._done = False  # loop: end, fail or the cancel has been handled
         self._on_room: Callable[[], None] | None = None  # loop: the holding producer's callback
+        # loop: watch_idle's period, and since when nothing was pushed or reported (loop.time()).
+        self._idle_s = 0.0
+        self._quiet_since = 0.0
         #: Loop: called once if trio leaves before the end (set by the producer; replace it as its state changes).
         self.on_cancel: Callable[[], object] | None = None
         #: Written by trio when it leaves, read by the loop (the producer may look before doing more work).
@@ -426,6 +441,8 @@ class Feed(Generic[T]):
         if self._done:
             return False
         self._posted += len(items)
+        if self._idle_s:
+            self._quiet_since = self._link.loop.time()
         if not self._link.to_trio(self._sink._deliver, items):
             self._done = True
             return False
@@ -444,6 +461,7 @@ class Feed(Generic[T]):
         if not self._done:
             self._done = True
             self._link.feeds.discard(self)
+            self._stop_watching()
             self._link.to_trio(self._sink._end)
             self._link.to_trio(self._sink._finished)
 
@@ -452,6 +470,7 @@ class Feed(Generic[T]):
         if not self._done:
             self._done = True
             self._link.feeds.discard(self)
+            self._stop_watching()
             self._link.to_trio(self._sink._fail, error)
             self._link.to_trio(self._sink._finished)
 
@@ -477,6 +496,7 @@ class Feed(Generic[T]):
             return
         self._done = True
         self._link.feeds.discard(self)
+        self._stop_watching()
         self.wants_credit = False
         on_cancel, self.on_cancel = self.on_cancel, None
         try:
@@ -487,6 +507,27 @@ class Feed(Generic[T]):
         finally:
             self._link.to_trio(self._sink._finished)
 
+    def _watch_idle(self, seconds: float) -> None:
+        if self._done or seconds <= 0:
+            return
+        self._idle_s = seconds
+        self._quiet_since = self._link.loop.time()
+        watch = self._link.idle_watch
+        if watch is None:
+            watch = self._link.idle_watch = IdleWatch(self._link)
+        watch.add(self)
+
+    def idle_check(self, now: float) -> None:
+        """Loop (the sweep): tell a waiting consumer once per ``watch_idle`` period of silence."""
+        idle = now - self._quiet_since
+        if idle >= self._idle_s:
+            self._quiet_since = now
+            self._link.to_trio(self._sink.interrupt, StreamIdle(f"nothing arrived for {idle:.3g}s"))
+
+    def _stop_watching(self) -> None:
+        if self._idle_s and self._link.idle_watch is not None:
+            self._link.idle_watch.feeds.discard(self)
+
     def _credit(self) -> None:
         on_room = self._on_room
         if on_room is not None and self._posted - self._sink.taken < self._high_water:
@@ -494,3 +535,38 @@ class Feed(Generic[T]):
             self.wants_credit = False
             if not self._done:
                 on_room()
+
+
+class IdleWatch:
+    """One timer for every feed watched for silence on a loop (a timer per stream would cost ~0.6 KiB each).
+
+    Sweeps every eighth of the shortest period watched, so a silence is reported between 1 and 1⅛ periods after
+    the last push; stops while no feed is watched.
+    """
+
+    __slots__ = ("_link", "_period", "_timer", "feeds")
+
+    def __init__(self, link: Link) -> None:
+        self._link: Final = link
+        self.feeds: Final[set[Feed[Any]]] = set()
+        self._period = math.inf
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, feed: Feed[Any]) -> None:
+        self.feeds.add(feed)
+        period = feed._idle_s / 8
+        if self._timer is None or period < self._period:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._period = period
+            self._timer = self._link.loop.call_later(period, self._sweep)
+
+    def _sweep(self) -> None:
+        if not self.feeds:
+            self._timer = None
+            self._period = math.inf
+            return
+        now = self._link.loop.time()
+        for feed in list(self.feeds):
+            feed.idle_check(now)
+        self._timer = self._link.loop.call_later(self._period, self._sweep)

@@ -69,7 +69,7 @@ from openengine_bp.openengine.v1 import (
     UnloadLoraRequest,
     UnloadLoraResponse,
 )
-from sidecar.edge import EdgeError
+from sidecar.edge import EdgeError, FeedStream
 from sidecar.errors import EngineRpcError, GrpcCode
 
 from . import _grpclib_lean
@@ -82,7 +82,7 @@ from ._transport import GoawayRefused, PooledChannel, TlsFiles, TlsSource
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
-    from sidecar.edge import BatchStream, Edge, Feed, FeedStream
+    from sidecar.edge import BatchStream, Edge, Feed
 
     from ._config import EngineClientConfig
 
@@ -173,6 +173,18 @@ class BatchIterator(Generic[_T]):
             return await self._batches.__anext__()
         except EdgeError as exc:
             raise EngineRpcError(self._rpc, GrpcCode.UNAVAILABLE, f"the edge loop is gone: {exc}") from exc
+
+    def watch_idle(self, seconds: float) -> None:
+        """``Generate`` only: raise :class:`~sidecar.edge.StreamIdle` in a consumer waiting while the engine sent
+        nothing for ``seconds`` (the stream stays open). One timer per stream on the edge loop: the consumer needs no
+        deadline of its own per wait."""
+        if isinstance(self._batches, FeedStream):
+            self._batches.watch_idle(seconds)
+
+    def interrupt(self, error: BaseException) -> None:
+        """``Generate`` only: raise ``error`` in the consumer if it is waiting for the next batch now."""
+        if isinstance(self._batches, FeedStream):
+            self._batches.interrupt(error)
 
 
 class _BoundedProtoCodec(ProtoCodec):

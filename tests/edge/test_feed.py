@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import trio
 
-from sidecar.edge import Edge, EdgeClosed, Feed, open_edge
+from sidecar.edge import Edge, EdgeClosed, Feed, StreamIdle, open_edge
 
 TIMEOUT = 10
 
@@ -120,3 +120,61 @@ async def test_an_open_feed_fails_edge_closed_when_the_loop_shuts_down() -> None
             with pytest.raises(EdgeClosed):
                 await stream.__anext__()
             await stream.__aexit__(None, None, None)
+
+
+async def test_a_watched_feed_raises_stream_idle_in_a_waiting_consumer_and_stays_open(edge: Edge) -> None:
+    pushes: list[Feed[int]] = []
+
+    def start(feed: Feed[int]) -> None:
+        pushes.append(feed)
+        feed.push([1])
+
+    async def push_later(value: int) -> None:
+        await edge.run(_push, pushes[0], value)
+
+    with trio.fail_after(TIMEOUT):
+        async with edge.open_feed(start) as batches:
+            batches.watch_idle(0.2)
+            assert await batches.__anext__() == [1]
+            started = trio.current_time()
+            with pytest.raises(StreamIdle):
+                await batches.__anext__()
+            assert trio.current_time() - started >= 0.15
+            await push_later(2)  # still open: what comes later is delivered
+            assert await batches.__anext__() == [2]
+
+
+async def test_pushes_keep_a_watched_feed_from_going_idle(edge: Edge) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with edge.open_feed(pusher([[i] for i in range(12)], delay=0.05)) as batches:
+            batches.watch_idle(0.3)
+            got = [item async for batch in batches for item in batch]
+    assert got == list(range(12))
+
+
+async def test_interrupt_raises_in_a_waiting_consumer_only(edge: Edge) -> None:
+    def start(feed: Feed[int]) -> None:
+        feed.push([1])
+
+    boom = RuntimeError("worker says stop")
+    with trio.fail_after(TIMEOUT):
+        async with edge.open_feed(start) as batches:
+            batches.interrupt(boom)  # nobody waits: nothing happens
+            assert await batches.__anext__() == [1]
+            async with trio.open_nursery() as nursery:
+                caught: list[BaseException] = []
+
+                async def wait() -> None:
+                    try:
+                        await batches.__anext__()
+                    except RuntimeError as exc:
+                        caught.append(exc)
+
+                nursery.start_soon(wait)
+                await trio.sleep(0.05)
+                batches.interrupt(boom)
+    assert caught == [boom]
+
+
+async def _push(feed: Feed[int], value: int) -> None:
+    feed.push([value])
