@@ -109,6 +109,10 @@ def _cpus(cpus: frozenset[int]) -> str:
 
 #: Set by ``--pin`` (the orchestrator itself then runs on ``work``, so everything it starts does too).
 PINNING: Pinning | None = None
+#: Set by ``--sidecar-tree NAME=DIR``: path ``R`` is the sidecar imported from DIR (e.g. ``git archive`` of main),
+#: measured in the same rounds as B (A B R C), for a before/after in one run.
+REF_TREE: tuple[str, Path] | None = None
+MODEL_REF: Final = "bench-b-ref"
 
 
 def pin_process(pid: int, cpus: frozenset[int]) -> None:
@@ -229,11 +233,20 @@ class Stack:
     mock: Process | None = None
     mock_target: str = ""
     sampler: Sampler | None = None
+    interval: int = 1
+    #: ``--sidecar-tree``: the same sidecar from another checkout, served as ``bench-b-ref`` (path ``R``), and its mock.
+    sidecar_ref: Process | None = None
+    mock_ref: Process | None = None
+    mock_ref_target: str = ""
 
     def pids(self) -> dict[str, int]:
         pids = {"frontend": self.frontend.process.pid, "worker_a": self.worker_a.pid}
         if self.sidecar is not None:
             pids["sidecar"] = self.sidecar.pid
+        if self.sidecar_ref is not None:
+            pids["sidecar_ref"] = self.sidecar_ref.pid
+        if self.mock_ref is not None:
+            pids["mock_ref"] = self.mock_ref.pid
         if self.mock is not None:
             pids["mock"] = self.mock.pid
         return pids
@@ -253,7 +266,11 @@ def log(*parts: object) -> None:
 # ------------------------------------------------------------------------------------------------ processes
 
 
-async def start_mock(stack: Stack, stack_exit: AsyncExitStack, interval: int, slow_ms: float | None = None) -> None:
+async def start_mock(
+    stack: Stack, stack_exit: AsyncExitStack, interval: int, slow_ms: float | None = None, ref: bool = False
+) -> None:
+    """The mock engine (with ``ref``: a second one, identical but for its served name, for path R's sidecar -- two
+    sidecars on one engine would both register its name as an alias, and Dynamo refuses the second)."""
     port_file = stack.work / f"mock-{interval}-{time.monotonic_ns()}.port"
     timing = ["--speedup", "0"] if slow_ms is None else ["--speedup", "1", "--decode-ms-per-token", str(slow_ms)]
     argv = [
@@ -263,21 +280,27 @@ async def start_mock(stack: Stack, stack_exit: AsyncExitStack, interval: int, sl
         "--total-kv-blocks", str(TOTAL_KV_BLOCKS), "--max-running-requests", str(MAX_RUNNING),
         "--max-batched-tokens", str(MAX_BATCHED_TOKENS), "--log-level", "WARNING",
     ]  # fmt: skip
+    if ref:
+        argv += ["--served-model-name", "tiny-oe-ref"]
 
     async def ready(_: Process) -> bool:
         return port_file.exists()
 
-    stack.mock = await stack_exit.enter_async_context(
-        start_process(argv, stack.denv.env, log_path=stack.denv.log_path("mock"), ready=ready)
+    mock = await stack_exit.enter_async_context(
+        start_process(argv, stack.denv.env, log_path=stack.denv.log_path("mock-ref" if ref else "mock"), ready=ready)
     )
     if PINNING is not None:
-        pin_process(stack.mock.pid, PINNING.engine)
-    stack.mock_target = port_file.read_text().strip()
+        pin_process(mock.pid, PINNING.engine)
+    if ref:
+        stack.mock_ref, stack.mock_ref_target = mock, port_file.read_text().strip()
+    else:
+        stack.mock, stack.mock_target = mock, port_file.read_text().strip()
 
 
 async def start_sidecar(
-    stack: Stack, stack_exit: AsyncExitStack, nursery: trio.Nursery, extra: tuple[str, ...] = ()
+    stack: Stack, stack_exit: AsyncExitStack, nursery: trio.Nursery, extra: tuple[str, ...] = (), ref: bool = False
 ) -> None:
+    """The sidecar under test (and, with ``ref`` and ``--sidecar-tree``, the reference one beside it)."""
     argv = [
         sys.executable, "-m", "sidecar", "--grpc-endpoint", stack.mock_target, "--model-path", str(MODEL_DIR),
         "--served-model-name", MODEL_B, "--log-level", "warning", *extra,
@@ -288,6 +311,18 @@ async def start_sidecar(
     await wait_for_model(stack.frontend.url, MODEL_B, timeout=60)
     stack.sampler = Sampler(stack.sidecar.pid)
     nursery.start_soon(stack.sampler.run)
+    if ref and REF_TREE is not None:
+        tree = REF_TREE[1]
+        await start_mock(stack, stack_exit, stack.interval, ref=True)
+        argv = [
+            sys.executable, "-m", "sidecar", "--grpc-endpoint", stack.mock_ref_target, "--model-path", str(MODEL_DIR),
+            "--served-model-name", MODEL_REF, "--component", "sidecarref", "--log-level", "warning", *extra,
+        ]  # fmt: skip
+        env = {**stack.denv.worker_env(), "PYTHONPATH": str(tree)}
+        stack.sidecar_ref = await stack_exit.enter_async_context(
+            start_process(argv, env, log_path=stack.denv.log_path("sidecar-ref"), stop_grace=10, cwd=tree)
+        )
+        await wait_for_model(stack.frontend.url, MODEL_REF, timeout=60)
 
 
 # ------------------------------------------------------------------------------------------------ children
@@ -353,7 +388,7 @@ async def measure(
         engine_cpus = PINNING.engine if PINNING is not None else None
         result = await run_child("bench._e2e_ceiling", config, stack.work, 300, engine_cpus)
     else:
-        model = MODEL_A if path == "A" else MODEL_B
+        model = {"A": MODEL_A, "B": MODEL_B, "R": MODEL_REF}[path]
         config = load_config(stack.frontend.url, model, plan, table, concurrency, requests)
         result = await run_child("bench._e2e_load", config, stack.work, 300)
     t1 = time.monotonic()
@@ -384,12 +419,13 @@ async def measure(
         point["sidecar_rss_peak_mib"] = stack.sampler.peak(t0, t1) / MiB
     bad = result["failed"] or result["lost"] or result["completed"] != requests
     status = "FAILED " + "; ".join(result["errors"]) if bad else "ok"
-    sidecar_cpu = point["cpu_s_per_1k_tokens"].get("sidecar", math.nan) if path == "B" else math.nan
+    own = {"B": "sidecar", "R": "sidecar_ref"}.get(path)
+    sidecar_cpu = point["cpu_s_per_1k_tokens"].get(own, math.nan) if own else math.nan
     log(
         f"  {path} s={interval} c={concurrency:<4} {result['tokens_per_s']:8.0f} tok/s  "
         f"TTFT p50 {result['ttft_p50_ms']:7.1f} ms  ITL p50 {result['itl_p50_ms']:6.2f} ms  "
         f"{result['tokens_per_chunk']:5.1f} tok/chunk"
-        + (f"  sidecar {sidecar_cpu:.3f} CPU-s/1k tok" if path == "B" else "")
+        + (f"  sidecar {sidecar_cpu:.3f} CPU-s/1k tok" if own else "")
         + f"  [{result['completed']}/{requests} {status}]"
     )
     return point
@@ -578,25 +614,28 @@ async def run(plan: Plan, out: Path, memory_only: bool = False) -> dict[str, Any
                     _drop_block(stack)
             for interval in [] if memory_only else plan.intervals:
                 async with AsyncExitStack() as block:
+                    stack.interval = interval
                     await start_mock(stack, block, interval)
                     if not table.exists():
                         await build_table(stack, plan, prompt_ids, table)
-                    await start_sidecar(stack, block, nursery)
+                    await start_sidecar(stack, block, nursery, ref=True)
                     assert stack.sidecar is not None
                     await trio.sleep(1.0)
                     idle[f"s={interval}"] = process_rss_bytes(stack.sidecar.pid) / MiB
                     log(f"engine messages of {interval} token(s): mock {stack.mock_target}, sidecar pid "
                         f"{stack.sidecar.pid}, idle RSS {idle[f's={interval}']:.1f} MiB")  # fmt: skip
-                    await warm_up(stack, plan, table, (MODEL_A, MODEL_B), plan.max_tokens)
+                    paths = "ABRC" if REF_TREE is not None else "ABC"
+                    models = (MODEL_A, MODEL_B, MODEL_REF) if REF_TREE is not None else (MODEL_A, MODEL_B)
+                    await warm_up(stack, plan, table, models, plan.max_tokens)
                     for concurrency in plan.concurrencies:
                         requests = plan.requests(concurrency)
-                        runs: dict[str, list[dict[str, Any]]] = {path: [] for path in "ABC"}
+                        runs: dict[str, list[dict[str, Any]]] = {path: [] for path in paths}
                         for _ in range(plan.rounds):  # A B C A B C …: the machine's drift hits every path alike
-                            for path in "ABC":
+                            for path in paths:
                                 runs[path].append(
                                     await measure(stack, path, interval, concurrency, requests, plan, table)
                                 )
-                        points.extend(merge_runs(runs[path]) for path in "ABC")
+                        points.extend(merge_runs(runs[path]) for path in paths)
                     _drop_block(stack)
                 save()
             if not memory_only:
@@ -686,7 +725,7 @@ def _failed_memory(plan: Plan, error: str) -> dict[str, Any]:
 def _drop_block(stack: Stack) -> None:
     if stack.sampler is not None:
         stack.sampler.scope.cancel()
-    stack.sidecar = stack.mock = stack.sampler = None
+    stack.sidecar = stack.mock = stack.sampler = stack.sidecar_ref = stack.mock_ref = None
     stack.mock_target = ""
 
 
@@ -799,6 +838,8 @@ def markdown(plan: Plan, data: dict[str, Any], summary: dict[str, Any], images: 
                 f"| {_f(b.get('sidecar_rss_peak_mib'), 1)} |"
             )
         lines.append("")
+        if REF_TREE is not None or any(p["path"] == "R" for p in points):
+            lines.extend(_ref_table(plan, points, interval, data.get("ref_tree", "")))
     pacing = data["paced"]
     a, b = pacing["A"], pacing["B"]
     lines.append(
@@ -835,6 +876,28 @@ def markdown(plan: Plan, data: dict[str, Any], summary: dict[str, Any], images: 
     lines.extend(f"![{Path(image).stem}]({image})" for image in images)
     lines.extend(["", END_PINNED if pinning else END])
     return "\n".join(lines)
+
+
+def _ref_table(plan: Plan, points: list[dict[str, Any]], interval: int, name: str) -> list[str]:
+    """Path B against path R (the sidecar from ``--sidecar-tree``), measured in the same rounds."""
+    lines = [
+        f"B against R (the sidecar of `{name}`, same mock, same rounds), {interval} token(s) per engine message:",
+        "",
+        "| c | tok/s B | tok/s R | B/R | sidecar CPU-s/1k tok B / R | µs per engine message B / R | tok/chunk B / R |",
+        "|---:|---:|---:|---:|---|---|---|",
+    ]
+    for c in plan.concurrencies:
+        b, r = _point(points, "B", interval, c), _point(points, "R", interval, c)
+        cpu_b = b["cpu_s_per_1k_tokens"].get("sidecar", math.nan)
+        cpu_r = r["cpu_s_per_1k_tokens"].get("sidecar_ref", math.nan)
+        lines.append(
+            f"| {c} | {_f(b['tokens_per_s'])} | {_f(r['tokens_per_s'])} | "
+            f"{_f(_ratio(b['tokens_per_s'], r['tokens_per_s']), 2)} | {_f(cpu_b, 3)} / {_f(cpu_r, 3)} | "
+            f"{_f(1000 * cpu_b * interval, 1)} / {_f(1000 * cpu_r * interval, 1)} | "
+            f"{_f(b['tokens_per_chunk'], 1)} / {_f(r['tokens_per_chunk'], 1)} |"
+        )
+    lines.append("")
+    return lines
 
 
 def plots(plan: Plan, data: dict[str, Any], out: Path) -> list[Path]:
@@ -900,6 +963,15 @@ def print_report(plan: Plan, data: dict[str, Any], summary: dict[str, Any]) -> N
             f"{_f(b['itl_p50_ms'], 2):>8} {_f(a['ttft_p50_ms'], 1):>9} {_f(b['ttft_p50_ms'], 1):>9} "
             f"{_f(b['cpu_s_per_1k_tokens'].get('sidecar'), 3):>12}"
         )
+    for row in summary["rows"]:
+        i, c = row["interval"], row["concurrency"]
+        if any((p["path"], p["interval"], p["concurrency"]) == ("R", i, c) for p in data["points"]):
+            b, r = _point(data["points"], "B", i, c), _point(data["points"], "R", i, c)
+            cpu_b, cpu_r = b["cpu_s_per_1k_tokens"].get("sidecar"), r["cpu_s_per_1k_tokens"].get("sidecar_ref")
+            log(
+                f"s={i} c={c}: B/R {_f(_ratio(b['tokens_per_s'], r['tokens_per_s']), 2)}, sidecar CPU-s/1k tok B "
+                f"{_f(cpu_b, 3)} R {_f(cpu_r, 3)}"
+            )
     pacing = data["paced"]
     log(
         f"paced engine ({pacing['pace_ms']:g} ms/token), c=1: ITL p50 A {_f(pacing['A']['itl_p50_ms'], 2)} "
@@ -926,6 +998,13 @@ def update_docs(block: str, pinned: bool = False) -> None:
     DOCS.write_text(text)
 
 
+def _named_tree(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not Path(path).is_dir():
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR with an existing DIR, got {text!r}")
+    return name, Path(path).resolve()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -947,9 +1026,17 @@ def main(argv: list[str] | None = None) -> int:
         help="the engine (mock, path C) on the last CPU, everything else on the others; results to "
         "docs/performance/pinned and their own block of docs/performance.md",
     )
+    parser.add_argument(
+        "--sidecar-tree",
+        type=_named_tree,
+        metavar="NAME=DIR",
+        help="also run the sidecar imported from DIR (e.g. `git archive main | tar -x -C DIR`) as path R, in the same "
+        "rounds as B (A B R C): the before/after of the sidecar in one run",
+    )
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
-    global PINNING
+    global PINNING, REF_TREE
+    REF_TREE = args.sidecar_tree
     if args.pin:
         PINNING = Pinning.split()
         os.sched_setaffinity(0, PINNING.work)  # everything this process starts inherits it
@@ -967,6 +1054,8 @@ def main(argv: list[str] | None = None) -> int:
     data = trio.run(run, plan, out)
     if PINNING is not None:
         data["pinning"] = PINNING.describe()
+    if REF_TREE is not None:
+        data["ref_tree"] = REF_TREE[0]
     data["plan"] = dataclasses.asdict(plan)
     data["date"] = time.strftime("%Y-%m-%d %H:%M")
     data["machine"] = {"cpus": os.cpu_count(), "load_before": load_before,

@@ -6,7 +6,7 @@ the stream's ``Buffer``, and a task per stream woke for every message to read it
 pump task forwarded each to trio -- about a third of the sidecar's CPU per engine message (docs/performance.md).
 Here the processor hands a stream's events to its :class:`DirectStream` (``_transport.DirectSink``), which cuts the
 gRPC messages out of the DATA as it arrives, decodes them (upb), and at the end of the read hands everything that
-read brought for the stream to trio in one :meth:`~sidecar.edge.Feed.push`.
+reads of one loop iteration brought for the stream to trio in one :meth:`~sidecar.edge.Feed.push`.
 
 What grpclib did and this keeps, each tested in ``tests/engine/test_direct.py``:
 

@@ -421,7 +421,7 @@ class DirectSink:
         raise NotImplementedError
 
     def flush(self) -> None:
-        """End of one ``data_received``: hand over what it brought (one post per stream per read)."""
+        """After the reads of one loop iteration: hand over what they brought (one post per stream)."""
         raise NotImplementedError
 
     def take_data_frame(self, length: int) -> bool:
@@ -547,6 +547,7 @@ class GracefulProtocol(H2Protocol):
         #: Direct streams that got data during the current ``data_received`` (each flushes once at its end).
         self.dirty: list[DirectSink] = []
         self._rx = b""  # the start of a frame whose end has not arrived yet
+        self._flush_due = False  # _flush_dirty is scheduled for the end of this loop iteration
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -567,8 +568,10 @@ class GracefulProtocol(H2Protocol):
         # END_STREAM, no padding) of a direct stream skips h2 when h2 would only have accounted its flow control and
         # handed its payload on (DirectSink.take_data_frame checks that and does the accounting): h2's per-frame
         # work was the largest cost per engine message left. Every other frame goes to h2 in order, in runs of
-        # complete frames (a partial frame waits here, so h2's buffer never holds one). (2) What one read brought
-        # for a direct stream is handed over once, at the end of the read.
+        # complete frames (a partial frame waits here, so h2's buffer never holds one). (2) What the reads of one
+        # loop iteration brought for a direct stream is handed over once, after them (call_soon runs after every
+        # read of the iteration): under load a stream's messages arrive in several reads, and one batch for them
+        # means one wakeup of its request task and one chunk for Dynamo instead of one per read.
         if self._rx:
             data = self._rx + data
             self._rx = b""
@@ -604,12 +607,19 @@ class GracefulProtocol(H2Protocol):
             if position < size:
                 self._rx = data[position:]
         finally:
-            if self.dirty:
-                dirty, self.dirty = self.dirty, []
-                for sink in dirty:
-                    sink.flush()
+            if self.dirty and not self._flush_due:
+                self._flush_due = True
+                asyncio.get_running_loop().call_soon(self._flush_dirty)
             if not self.connection.is_closing():
                 self.connection.flush()
+
+    def _flush_dirty(self) -> None:
+        self._flush_due = False
+        dirty, self.dirty = self.dirty, []
+        for sink in dirty:
+            sink.flush()
+        if not self.connection.is_closing():
+            self.connection.flush()  # the WINDOW_UPDATEs of what was acknowledged
 
     def _receive(self, frames: bytes) -> bool:
         """Complete frames through h2 and the processor; False once the connection is closed."""
