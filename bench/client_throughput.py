@@ -28,6 +28,7 @@ Clients:
   ``--path-only`` measures nothing else); it counts engine messages consumed, like the others;
 * ``path-h2repr`` — the same with hyperframe's own ``Frame.__repr__`` restored (``--repr-ab``): what the engine
   client's repr patch saves, toggled in one run;
+* ``ours-direct``, ``path-direct`` — the same with ``EngineClientConfig(direct_receive=True)`` (``--direct-receive``);
 * ``path@NAME``  — the same, imported from another checkout (``--tree NAME=DIR``): a before/after in one run;
   ``ours@NAME`` likewise for ``ours`` (unless ``--path-only``);
 * ``reference``  — ``grpc.aio`` channel, ``unary_stream('/openengine.v1.Inference/Generate')`` with upb
@@ -134,7 +135,9 @@ def child_ours(args: argparse.Namespace) -> Result:
 
     async def main() -> Result:
         async with open_edge() as edge:
-            config = EngineClientConfig(parse_endpoint(args.target), connections=args.connections)
+            config = EngineClientConfig(
+                parse_endpoint(args.target), connections=args.connections, direct_receive=args.direct
+            )
             async with open_engine_client(edge, config) as client:
                 await client.wait_connected(trio.current_time() + 15)
                 count = 0
@@ -159,6 +162,8 @@ def child_ours(args: argparse.Namespace) -> Result:
         name = "ours" if args.connections != 1 else "ours-1conn"
         if args.no_detokenize:
             name = "ours-nodetok"
+        if args.direct:
+            name = "ours-direct"
         return Result(name, args.streams, c1 - c0, t1 - t0, cpu1 - cpu0, srv1 - srv0, f1 - f0)
 
     return trio.run(main)
@@ -200,7 +205,9 @@ def child_path(args: argparse.Namespace) -> Result:
 
     async def main() -> Result:
         async with open_edge() as edge:
-            config = EngineClientConfig(parse_endpoint(args.target), connections=args.connections)
+            config = EngineClientConfig(
+                parse_endpoint(args.target), connections=args.connections, direct_receive=args.direct
+            )
             async with open_engine_client(edge, config) as client:
                 info = await client.wait_connected(trio.current_time() + 15)
                 model = info.supported_models[0]
@@ -237,7 +244,7 @@ def child_path(args: argparse.Namespace) -> Result:
                     await trio.sleep(args.window)
                     c1, f1, t1, cpu1, srv1 = count, finished, time.perf_counter(), own_cpu_s(), process_cpu_s(args.pid)
                     nursery.cancel_scope.cancel(reason="measurement window over")
-        name = "path-h2repr" if args.h2_repr else "path"
+        name = "path-h2repr" if args.h2_repr else "path-direct" if args.direct else "path"
         return Result(name, args.streams, c1 - c0, t1 - t0, cpu1 - cpu0, srv1 - srv0, f1 - f0)
 
     return trio.run(main)
@@ -386,6 +393,8 @@ def run_child(client: str, streams: int, target: str, pid: int, args: argparse.N
         argv.append("--h2-repr")
     if client == "ours-nodetok":
         argv.append("--no-detokenize")
+    if client.endswith("-direct"):
+        argv.append("--direct")
     # path@NAME / ours@NAME: the same child, imported from another checkout (--tree NAME=DIR), e.g. the commit before
     # a change.
     tree = dict(args.tree)[client.partition("@")[2]] if "@" in client else None
@@ -438,6 +447,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--path-only", action="store_true", help="measure only the request path (64-stream rows)")
     parser.add_argument(
+        "--direct-receive",
+        action="store_true",
+        help="also measure `ours` and `path` with EngineClientConfig(direct_receive=True) (sidecar/engine/_direct.py)",
+    )
+    parser.add_argument(
         "--detokenize-ab",
         action="store_true",
         help="only the engine's side: `ours` with and without extra.detokenize=false (64-stream rows), interleaved; "
@@ -450,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", choices=["ours", "reference", "path"], help=argparse.SUPPRESS)
     parser.add_argument("--h2-repr", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-detokenize", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -485,11 +500,15 @@ def main(argv: list[str] | None = None) -> int:
                 clients.append("ours-1conn")
             if not args.path_only and not args.detokenize_ab:
                 clients.extend(f"ours@{name}" for name, _ in args.tree)
+                if args.direct_receive:
+                    clients.append("ours-direct")
             if streams > 1 and not args.detokenize_ab:
                 clients.append("path")
                 if args.repr_ab:
                     clients.append("path-h2repr")
                 clients.extend(f"path@{name}" for name, _ in args.tree)
+                if args.direct_receive:
+                    clients.append("path-direct")
             for round_ in range(args.rounds):
                 for client in clients:
                     result = run_child(client, streams, mock.target, mock.pid, args, client_cpu)
@@ -524,7 +543,8 @@ def print_table(results: dict[tuple[str, int], list[Result]], stream_counts: lis
     cpu: dict[tuple[str, int], float] = {}
     for streams in stream_counts:
         trees = dict.fromkeys(c for c, _ in results if "@" in c)
-        for client in ("ours", "ours-nodetok", "ours-1conn", "path", "path-h2repr", *trees, "reference"):
+        order = ("ours", "ours-direct", "ours-nodetok", "ours-1conn", "path", "path-direct", "path-h2repr")
+        for client in (*order, *trees, "reference"):
             runs = results.get((client, streams))
             if not runs:
                 continue
@@ -554,7 +574,7 @@ def print_table(results: dict[tuple[str, int], list[Result]], stream_counts: lis
             )
         for client, count in cpu:
             kind = client.partition("@")[0]
-            if count == streams and "@" in client and (kind, streams) in cpu:
+            if count == streams and "@" in client and (kind, streams) in cpu:  # here against the other tree
                 here, there = cpu[(kind, streams)], cpu[(client, streams)]
                 what = "request path" if kind == "path" else "engine client alone"
                 print(

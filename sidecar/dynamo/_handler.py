@@ -74,10 +74,94 @@ _HIGH_WATER: Final = 8
 #: slow one).
 _MAX_PENDING_TOKENS: Final = 4096
 
+#: Chunks Dynamo may hold at once (handed over, its reader not back yet): at least this many, else one per this many
+#: requests in flight. Past that, a request's next chunk waits its turn (first come, first served) and what arrives
+#: meanwhile joins it: Dynamo's cost is per chunk, so a saturated Dynamo gets fewer, larger chunks -- coalescing by
+#: Dynamo's global pace, where the per-request reader alone only sees its own. Below it nothing waits.
+_GATE_MIN: Final = 2
+_GATE_SHARE: Final = 16
+#: A slot stays taken at least this long after its chunk was handed over, even if the reader is back sooner (Dynamo's
+#: work for a chunk goes on after its reader returns): at most ``limit / hold`` chunks per second reach Dynamo once it
+#: is busy, i.e. 2,000/s at 64 requests in flight. Under that rate nothing waits.
+_GATE_HOLD_S: Final = 0.002
+#: A chunk Dynamo has held this long no longer counts (a slow client's stream, not Dynamo's backlog): a few stalled
+#: readers can never hold everyone else back.
+_GATE_EXPIRE_S: Final = 0.05
+
 _END: Final = _End()
 _STOPPED: Final = _Stopped()
 
 _Outcome = _End | _Stopped | Exception
+
+
+class _DynamoGate:
+    """Admission of chunks to Dynamo, shared by the outboxes of one handler (loop thread only; see _GATE_MIN)."""
+
+    __slots__ = ("_in_hands", "_loop", "_returned", "_timer", "_waiting", "active")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._in_hands: dict[_Outbox, float] = {}  # handed a chunk at (loop.time())
+        self._returned: set[_Outbox] = set()  # ... whose reader is back already (the slot frees after the hold)
+        self._waiting: dict[_Outbox, None] = {}  # readers waiting for their turn, first come first
+        self._timer: asyncio.TimerHandle | None = None
+        self.active = 0  # requests started and not finished
+
+    def _may_serve(self) -> bool:
+        in_hands = self._in_hands
+        if in_hands:
+            now = self._loop.time()
+            for outbox, at in list(in_hands.items()):
+                age = now - at
+                if age >= _GATE_EXPIRE_S or (age >= _GATE_HOLD_S and outbox in self._returned):
+                    del in_hands[outbox]
+                    self._returned.discard(outbox)
+        return len(in_hands) < max(_GATE_MIN, self.active // _GATE_SHARE)
+
+    def handed(self, outbox: _Outbox) -> None:
+        """``outbox`` just handed Dynamo a chunk."""
+        self._in_hands.pop(outbox, None)
+        self._returned.discard(outbox)
+        self._in_hands[outbox] = self._loop.time()
+
+    def returned(self, outbox: _Outbox) -> None:
+        """``outbox``'s reader is back (Dynamo is done with its last chunk)."""
+        if outbox in self._in_hands:
+            self._returned.add(outbox)
+            if self._waiting:
+                self._admit()
+
+    def request(self, outbox: _Outbox) -> None:
+        """``outbox`` has a waiting reader and something for it: serve it now, or when its turn comes."""
+        if outbox in self._waiting:
+            return
+        if not self._waiting and self._may_serve():
+            outbox._serve_reader()
+            return
+        self._waiting[outbox] = None
+        if self._timer is None:
+            self._timer = self._loop.call_later(_GATE_HOLD_S, self._tick)
+
+    def forget(self, outbox: _Outbox) -> None:
+        self._in_hands.pop(outbox, None)
+        self._returned.discard(outbox)
+        self._waiting.pop(outbox, None)
+        if self._waiting:
+            self._admit()
+
+    def _admit(self) -> None:
+        waiting = self._waiting
+        while waiting and self._may_serve():
+            outbox = next(iter(waiting))
+            del waiting[outbox]
+            outbox._serve_reader()
+
+    def _tick(self) -> None:
+        # Slots also free by time (the hold, the expiry): look again while readers wait.
+        self._timer = None
+        self._admit()
+        if self._waiting:
+            self._timer = self._loop.call_later(_GATE_HOLD_S, self._tick)
 
 
 class _Outbox:
@@ -92,11 +176,12 @@ class _Outbox:
     one ``__anext__`` at a time).
     """
 
-    __slots__ = ("_loop", "_owed", "_reader", "_ready", "_trio_done", "feed", "outcome", "pending", "stop_future",
-                 "taken")  # fmt: skip
+    __slots__ = ("_gate", "_loop", "_owed", "_reader", "_ready", "_trio_done", "feed", "outcome",
+                 "pending", "stop_future", "taken")  # fmt: skip
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, gate: _DynamoGate) -> None:
         self._loop = loop
+        self._gate = gate
         self.pending = PendingChunks()
         self.outcome: _Outcome | None = None
         # Chunks taken from `pending` in one merge and not handed out yet (Dynamo takes one per __anext__).
@@ -123,7 +208,8 @@ class _Outbox:
                 self.feed.credit()  # read after writing `taken`: a pump that waits for room wakes up
         else:
             self._owed += len(batches)  # a reader that stopped reading holds the trio task back
-        self._serve_reader()
+        if self._reader is not None:
+            self._gate.request(self)
 
     def _fail(self, error: BaseException) -> None:
         if self.outcome is None:
@@ -137,6 +223,7 @@ class _Outbox:
 
     def _finished(self) -> None:
         self._trio_done = True
+        self._gate.active -= 1
         if self.stop_future is not None:
             self.stop_future.cancel()
         if self.outcome is None:  # the trio task was stopped from here: the stop already set the outcome
@@ -157,6 +244,7 @@ class _Outbox:
             self.pending.take()
             self._ready.clear()
         self.outcome = outcome
+        self._gate.forget(self)  # the end is served at once
         self._serve_reader()
 
     # Dynamo's side
@@ -174,7 +262,14 @@ class _Outbox:
         return reader
 
     def _park(self, reader: asyncio.Future[dict[str, Any]]) -> None:
-        if not self._resolve(reader):
+        gate = self._gate
+        gate.returned(self)
+        if reader.done():
+            return  # Dynamo cancelled its wait
+        if self.outcome is None and self.pending and not self._ready:
+            self._reader = reader  # something to send: when its turn comes
+            gate.request(self)
+        elif not self._resolve(reader):
             self._reader = reader
 
     async def aclose(self) -> None:
@@ -210,6 +305,7 @@ class _Outbox:
             pass
         else:
             reader.set_result(chunk)
+            self._gate.handed(self)
             return True
         outcome = self.outcome
         if outcome is None:
@@ -251,15 +347,18 @@ def make_handler(
 
     loop = edge.loop
 
+    gate = _DynamoGate(loop)
+
     def generate(request: dict[str, Any], context: Context) -> _Outbox:
         # Called on one of Dynamo's threads, not on the loop: everything that needs the loop starts there.
-        outbox = _Outbox(loop)
+        outbox = _Outbox(loop, gate)
         loop.call_soon_threadsafe(_start, outbox, request, context)
         return outbox
 
     def _start(outbox: _Outbox, request: dict[str, Any], context: Context) -> None:
         try:
             ctx = request_context(request, context)
+            gate.active += 1  # until the bridge reports the trio side _finished (it always does)
             outbox.feed = edge.trio_feed(nursery, outbox, handler, request, ctx, high_water=_HIGH_WATER)
             if outbox._trio_done:  # the trio run or the nursery is gone: the outbox has its error already
                 return

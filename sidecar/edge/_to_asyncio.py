@@ -151,6 +151,17 @@ class BatchStream(Inbox[T]):
         self._waiter = None
         return trio.lowlevel.Abort.SUCCEEDED
 
+    def watch_idle(self, seconds: float) -> None:
+        """As :meth:`FeedStream.watch_idle`: a consumer waiting while nothing arrived for ``seconds`` gets
+        :class:`StreamIdle` (the stream stays open)."""
+        self._link.to_loop(self._pump.watch_idle, seconds)
+
+    def interrupt(self, error: BaseException) -> None:
+        """Raise ``error`` in the consumer if it is waiting in ``__anext__`` now (else nothing happens)."""
+        if (task := self._waiter) is not None:
+            self._waiter = None
+            trio.lowlevel.reschedule(task, outcome.Error(error))
+
     async def _aclose(self) -> None:
         # Stop first and tidy up afterwards: the pump may be running flat out, and every item it reads meanwhile is
         # latency (freeing a large backlog here takes milliseconds, with the GIL held).
@@ -192,8 +203,8 @@ class _Pump(Generic[T]):
     asks to be woken (``wants_credit``), so a consumer that keeps up sends nothing back across the threads.
     """
 
-    __slots__ = ("_args", "_batch", "_closing", "_credit", "_fn", "_high_water", "_link", "_max_batch", "_posted",
-                 "_sink", "_task", "stop", "wants_credit")  # fmt: skip
+    __slots__ = ("_args", "_batch", "_closing", "_credit", "_fn", "_high_water", "_idle_s", "_link", "_max_batch",
+                 "_posted", "_quiet_since", "_sink", "_task", "stop", "wants_credit")  # fmt: skip
 
     def __init__(
         self,
@@ -221,6 +232,27 @@ class _Pump(Generic[T]):
         self._closing = False
         # Written by the pump, read by trio: the pump waits for the consumer to take items.
         self.wants_credit = False
+        # loop: watch_idle's period, and since when nothing was posted or reported (loop.time()).
+        self._idle_s = 0.0
+        self._quiet_since = 0.0
+
+    def watch_idle(self, seconds: float) -> None:
+        """Loop callback: report silences of ``seconds`` to a waiting consumer (see ``IdleWatch``)."""
+        if self._closing or seconds <= 0:
+            return
+        self._idle_s = seconds
+        self._quiet_since = self._link.loop.time()
+        watch = self._link.idle_watch
+        if watch is None:
+            watch = self._link.idle_watch = IdleWatch(self._link)
+        watch.add(self)
+
+    def idle_check(self, now: float) -> None:
+        """Loop (the sweep): tell a waiting consumer once per ``watch_idle`` period of silence."""
+        idle = now - self._quiet_since
+        if idle >= self._idle_s:
+            self._quiet_since = now
+            self._link.to_trio(self._sink.interrupt, StreamIdle(f"nothing arrived for {idle:.3g}s"))
 
     def start(self) -> None:
         """Loop callback: start pumping, unless trio already left."""
@@ -245,6 +277,8 @@ class _Pump(Generic[T]):
         if self._batch:
             batch, self._batch = self._batch, []
             self._posted += len(batch)
+            if self._idle_s:
+                self._quiet_since = self._link.loop.time()
             if not self._link.to_trio(self._sink._deliver, batch):
                 self.stop = True
 
@@ -287,6 +321,8 @@ class _Pump(Generic[T]):
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         # A done callback rather than a finally: a task cancelled before its first step never runs its body.
+        if self._idle_s and self._link.idle_watch is not None:
+            self._link.idle_watch.feeds.discard(self)
         if self.stop:
             if not task.cancelled() and (error := task.exception()) is not None:
                 logger.debug("edge: asyncio stream failed after the trio side left", exc_info=error)
@@ -474,6 +510,13 @@ class Feed(Generic[T]):
             self._link.to_trio(self._sink._fail, error)
             self._link.to_trio(self._sink._finished)
 
+    def after_round(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop once trio has run what was pushed so far (at its next round; at once if trio
+        has finished). A producer that waits for it before pushing again lets what arrives meanwhile merge into one
+        batch while trio is busy, and costs nothing while it is idle."""
+        if not self._link.to_trio(self._link.to_loop, callback):
+            callback()
+
     def fail_cancelled(self) -> None:
         """The producer's own task was cancelled by someone other than trio (the loop shutting down, most likely)."""
         self.fail(self._link.asyncio_cancelled())
@@ -548,11 +591,11 @@ class IdleWatch:
 
     def __init__(self, link: Link) -> None:
         self._link: Final = link
-        self.feeds: Final[set[Feed[Any]]] = set()
+        self.feeds: Final[set[Feed[Any] | _Pump[Any]]] = set()
         self._period = math.inf
         self._timer: asyncio.TimerHandle | None = None
 
-    def add(self, feed: Feed[Any]) -> None:
+    def add(self, feed: Feed[Any] | _Pump[Any]) -> None:
         self.feeds.add(feed)
         period = feed._idle_s / 8
         if self._timer is None or period < self._period:

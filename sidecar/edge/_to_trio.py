@@ -150,8 +150,8 @@ class _TrioPump(Generic[T]):
     take some; only a waiting pump asks to be woken (``wants_credit``).
     """
 
-    __slots__ = ("_args", "_batch", "_credit", "_each", "_fn", "_high_water", "_link", "_max_batch", "_name",
-                 "_posted", "_scope", "_sink", "wants_credit")  # fmt: skip
+    __slots__ = ("_args", "_batch", "_credit", "_fn", "_high_water", "_link", "_max_batch", "_name", "_posted",
+                 "_scope", "_sink", "wants_credit")  # fmt: skip
 
     def __init__(
         self,
@@ -161,13 +161,9 @@ class _TrioPump(Generic[T]):
         args: tuple[object, ...],
         high_water: int,
         name: str,
-        each: bool = False,
     ) -> None:
         self._link: Final = link
         self._sink: Final = sink
-        # Post every item at once instead of batching what arrives before this task yields: for a sink that merges
-        # itself (the Dynamo outbox) a post per item is cheaper than scheduling a flush through trio for it.
-        self._each: Final = each
         # fn and its arguments rather than a closure over them: one object less per stream.
         self._fn: Final = fn
         self._args: Final = args
@@ -257,12 +253,6 @@ class _TrioPump(Generic[T]):
                     item = await iterator.__anext__()
                 except StopAsyncIteration:
                     return
-                if self._each:
-                    self._posted += 1
-                    if not self._link.to_loop(self._sink._deliver, [item]):
-                        assert self._scope is not None
-                        self._scope.cancel(reason="the edge loop is closed")
-                    continue
                 if not self._batch:
                     self._link.to_trio(self._flush)
                 self._batch.append(item)
@@ -301,7 +291,7 @@ def start_trio_feed(
     """Loop thread: start ``fn(*args)`` as a trio task in ``nursery`` feeding ``sink``; return the sink's handle."""
     if high_water < 1:
         raise ValueError(f"high_water must be at least 1, not {high_water}")
-    pump = _TrioPump(link, sink, fn, args, high_water, name, each=True)
+    pump = _TrioPump(link, sink, fn, args, high_water, name)
     if not link.to_trio(pump.spawn, nursery):
         sink._fail(EdgeClosed(f"cannot start {name}: the trio run has finished"))
         sink._finished()

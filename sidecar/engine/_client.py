@@ -69,7 +69,7 @@ from openengine_bp.openengine.v1 import (
     UnloadLoraRequest,
     UnloadLoraResponse,
 )
-from sidecar.edge import EdgeError, FeedStream
+from sidecar.edge import EdgeError
 from sidecar.errors import EngineRpcError, GrpcCode
 
 from . import _grpclib_lean
@@ -82,7 +82,7 @@ from ._transport import GoawayRefused, PooledChannel, TlsFiles, TlsSource
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
-    from sidecar.edge import BatchStream, Edge, Feed
+    from sidecar.edge import BatchStream, Edge, Feed, FeedStream
 
     from ._config import EngineClientConfig
 
@@ -175,16 +175,14 @@ class BatchIterator(Generic[_T]):
             raise EngineRpcError(self._rpc, GrpcCode.UNAVAILABLE, f"the edge loop is gone: {exc}") from exc
 
     def watch_idle(self, seconds: float) -> None:
-        """``Generate`` only: raise :class:`~sidecar.edge.StreamIdle` in a consumer waiting while the engine sent
-        nothing for ``seconds`` (the stream stays open). One timer per stream on the edge loop: the consumer needs no
-        deadline of its own per wait."""
-        if isinstance(self._batches, FeedStream):
-            self._batches.watch_idle(seconds)
+        """Raise :class:`~sidecar.edge.StreamIdle` in a consumer waiting while the engine sent nothing for
+        ``seconds`` (the stream stays open). One sweep on the edge loop for every stream watched: the consumer needs
+        no deadline of its own per wait."""
+        self._batches.watch_idle(seconds)
 
     def interrupt(self, error: BaseException) -> None:
-        """``Generate`` only: raise ``error`` in the consumer if it is waiting for the next batch now."""
-        if isinstance(self._batches, FeedStream):
-            self._batches.interrupt(error)
+        """Raise ``error`` in the consumer if it is waiting for the next batch now (else nothing happens)."""
+        self._batches.interrupt(error)
 
 
 class _BoundedProtoCodec(ProtoCodec):
@@ -459,6 +457,11 @@ class EngineClient:
             pairs.extend(trace.pairs())
         check_metadata(pairs)
         channel = self._pick_channel("Generate")
+        if not self._config.direct_receive:
+            return self._server_stream(
+                "Generate", channel, GENERATE_PATH, request, generation_pb2.GenerateRequest,
+                generation_pb2.GenerateResponse, pairs, timeout_s,
+            )  # fmt: skip
         # Received straight from the HTTP/2 events (_direct.py): no grpclib stream, buffer or task per message.
         try:
             feed = self._edge.open_feed(

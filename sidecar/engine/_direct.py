@@ -353,6 +353,9 @@ class DirectStream(DirectSink):
         except Exception as exc:
             self._fail(exc, reset=True)
 
+    def after_round(self, callback: Callable[[], None]) -> None:
+        self._feed.after_round(callback)
+
     def take_data_frame(self, length: int) -> bool:
         if not self._headers_seen or self.released:
             return False

@@ -424,6 +424,10 @@ class DirectSink:
         """After the reads of one loop iteration: hand over what they brought (one post per stream)."""
         raise NotImplementedError
 
+    def after_round(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the loop once trio has taken in what this stream handed over so far."""
+        raise NotImplementedError
+
     def take_data_frame(self, length: int) -> bool:
         """Whether a plain DATA frame (no flags) of ``length`` bytes for this stream may skip h2; if so, its flow
         control is accounted here and now, as h2 would, and its payload goes to :meth:`on_data` next."""
@@ -548,6 +552,7 @@ class GracefulProtocol(H2Protocol):
         self.dirty: list[DirectSink] = []
         self._rx = b""  # the start of a frame whose end has not arrived yet
         self._flush_due = False  # _flush_dirty is scheduled for the end of this loop iteration
+        self._awaiting_trio = False  # the last hand-over is not in trio's hands yet (see _flush_dirty)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -607,7 +612,7 @@ class GracefulProtocol(H2Protocol):
             if position < size:
                 self._rx = data[position:]
         finally:
-            if self.dirty and not self._flush_due:
+            if self.dirty and not self._flush_due and not self._awaiting_trio:
                 self._flush_due = True
                 asyncio.get_running_loop().call_soon(self._flush_dirty)
             if not self.connection.is_closing():
@@ -620,6 +625,17 @@ class GracefulProtocol(H2Protocol):
             sink.flush()
         if not self.connection.is_closing():
             self.connection.flush()  # the WINDOW_UPDATEs of what was acknowledged
+        if dirty:
+            # The next hand-over waits until trio has taken this one in (its next round). Idle, that is at once;
+            # busy, the reads in between add up, per stream, to one bigger batch: one wakeup of the request task and
+            # one chunk for Dynamo (whose cost is per chunk) for several engine messages, with no timer.
+            self._awaiting_trio = True
+            dirty[-1].after_round(self._trio_caught_up)
+
+    def _trio_caught_up(self) -> None:
+        self._awaiting_trio = False
+        if self.dirty and not self._flush_due:
+            self._flush_dirty()
 
     def _receive(self, frames: bytes) -> bool:
         """Complete frames through h2 and the processor; False once the connection is closed."""

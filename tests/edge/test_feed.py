@@ -178,3 +178,36 @@ async def test_interrupt_raises_in_a_waiting_consumer_only(edge: Edge) -> None:
 
 async def _push(feed: Feed[int], value: int) -> None:
     feed.push([value])
+
+
+async def _slow_source(first: int, pause: float, then: int) -> Any:
+    yield first
+    await asyncio.sleep(pause)
+    yield then
+
+
+async def test_open_stream_watches_its_silence_and_can_be_interrupted(edge: Edge) -> None:
+    """The pump-based stream (``open_stream``) offers the same: StreamIdle in a waiting consumer, and interrupt."""
+    with trio.fail_after(TIMEOUT):
+        async with edge.open_stream(_slow_source, 1, 0.32, 2) as batches:
+            batches.watch_idle(0.2)
+            assert await batches.__anext__() == [1]
+            with pytest.raises(StreamIdle):
+                await batches.__anext__()
+            assert await batches.__anext__() == [2]  # still open
+        async with edge.open_stream(_slow_source, 1, 5.0, 2) as batches:
+            assert await batches.__anext__() == [1]
+            boom = RuntimeError("worker says stop")
+            async with trio.open_nursery() as nursery:
+                caught: list[BaseException] = []
+
+                async def wait() -> None:
+                    try:
+                        await batches.__anext__()
+                    except RuntimeError as exc:
+                        caught.append(exc)
+
+                nursery.start_soon(wait)
+                await trio.sleep(0.05)
+                batches.interrupt(boom)
+            assert caught == [boom]

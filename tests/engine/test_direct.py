@@ -1,5 +1,6 @@
-"""The direct receive path of ``Generate`` (``sidecar/engine/_direct.py``) against a server that writes every frame
-itself (``raw_h2``): framing, flow control, statuses, cancellation and deadlines, as grpclib's path handled them.
+"""The direct receive path of ``Generate`` (``sidecar/engine/_direct.py``, ``direct_receive=True``) against a server
+that writes every frame itself (``raw_h2``): framing, flow control, statuses, cancellation and deadlines, as grpclib's
+path handled them.
 
 Each stream's answer is a script; the client is the real one (``open_engine_client``) on the real edge.
 """
@@ -36,7 +37,7 @@ def request(max_tokens: int = 16) -> generation_pb2.GenerateRequest:
 
 @asynccontextmanager
 async def client_for(edge: Edge, endpoint: Endpoint, **config: Any) -> AsyncIterator[EngineClient]:
-    settings: dict[str, Any] = {"connections": 1, "retry_interval_s": 0.1}
+    settings: dict[str, Any] = {"connections": 1, "retry_interval_s": 0.1, "direct_receive": True}
     settings.update(config)
     async with open_engine_client(edge, EngineClientConfig(endpoint, **settings)) as client:
         yield client
