@@ -811,7 +811,7 @@ def markdown(plan: Plan, data: dict[str, Any], summary: dict[str, Any], images: 
         f"average {machine['load_before']} before and "
         f"{machine['load_after']} after; {plan.max_tokens} output tokens per request, {len(plan.seeds)} seeds, "
         f"requests per point and round = max({plan.min_requests}, {plan.requests_per_slot} × concurrency), "
-        f"{plan.rounds} rounds (A B C interleaved; medians); total "
+        f"{plan.rounds} rounds ({'A B R C' if data.get('ref_tree') else 'A B C'} interleaved; medians); total "
         f"{data['elapsed_s']:.0f} s."
     )
     lines.append("")

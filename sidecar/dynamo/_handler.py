@@ -11,9 +11,13 @@ Per request, on the edge loop thread::
 Adaptive coalescing across this hop: the trio task's batches land in the outbox as they arrive (the outbox is the
 bridge's sink: no asyncio task wakes per batch), merged into the pending chunk of their output
 (``sidecar.convert.coalesce``) while Dynamo is busy with the previous chunk; the iterator hands Dynamo everything
-pending at once. When Dynamo keeps up, nothing is pending and every chunk goes out alone, with no added delay (there
-is no timer). Only a consumer that stops reading holds the trio task back: past :data:`_MAX_PENDING_TOKENS` pending
-tokens the outbox stops counting batches as taken, and the bridge's bound then stops the trio task.
+pending at once. Busy is also judged globally: Dynamo's cost is per chunk, and a saturated Dynamo still comes back
+for each request's next chunk at once, so the outboxes of one handler share a gate (:class:`_DynamoGate`) that lets
+at most ``max(2, in flight / 16)`` chunks be in Dynamo's hands, each slot held at least 2 ms; past that a request's
+next chunk waits its turn (first come, first served) and what arrives meanwhile joins it. When Dynamo keeps up,
+nothing waits and every chunk goes out alone, with no added delay. Only a consumer that stops reading holds the trio
+task back: past :data:`_MAX_PENDING_TOKENS` pending tokens the outbox stops counting batches as taken, and the
+bridge's bound then stops the trio task.
 
 Why callbacks instead of a loop inside the iterator: Dynamo's cancellation is cooperative, and after a client
 disconnect the binding may leave the iterator suspended forever without closing it (``dynamo-runtime.md`` §3.7), so

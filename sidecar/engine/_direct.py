@@ -1,5 +1,8 @@
 """``Generate`` streams received straight from the HTTP/2 events: no grpclib stream, buffer or task per message.
 
+Opt-in (``EngineClientConfig.direct_receive``): ~37 % less client CPU per message in isolation, but end to end on two
+shared cores its smaller batches cost more downstream than it saves (docs/performance.md, third pass).
+
 grpclib still owns the connection (``PooledChannel``, ``GracefulProtocol``: connecting, TLS, keepalive, GOAWAY,
 h2); what it no longer does for these streams is the per-message part. There, grpclib queued every DATA frame in
 the stream's ``Buffer``, and a task per stream woke for every message to read its 5-byte prefix and body, and our
