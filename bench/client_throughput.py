@@ -2,6 +2,7 @@
 
     python -m bench.client_throughput            # full run (~1.5 min)
     python -m bench.client_throughput --quick    # smoke run (~20 s)
+    python -m bench.client_throughput --detokenize-ab --paced-ms 2.5 --streams 64   # the engine's side only
 
 One mock process (``--speedup 0 --stream-interval 1``: one token per message, no model time; ``--paced-ms`` paces
 it) serves every measurement. Each measurement runs in a fresh child process so that neither client inherits the
@@ -19,13 +20,17 @@ Clients:
 * ``ours``       — ``open_edge`` + ``open_engine_client`` + ``generate`` (grpclib on the uvloop edge thread, batched
   bridge into trio), with the default pool of 8 connections;
 * ``ours-1conn`` — the same with one connection (64-stream rows only), the like-for-like transport comparison;
+* ``ours-nodetok`` — ``ours`` asking for ``extra.detokenize=false`` (``--detokenize-ab``: only these two, 64 streams):
+  the mock's CPU per message with and without detokenizing, a proxy for what TensorRT-LLM saves;
 * ``path``       — the worker's whole request path minus Dynamo's binding: per stream an asyncio task iterates the
   Dynamo handler (``sidecar.dynamo._handler.make_handler``, a stand-in ``Context``), whose pump runs
   ``RequestServer.handle`` in trio over ``edge.trio_stream``, which reads ``generate`` (64-stream rows only;
   ``--path-only`` measures nothing else); it counts engine messages consumed, like the others;
 * ``path-h2repr`` — the same with hyperframe's own ``Frame.__repr__`` restored (``--repr-ab``): what the engine
   client's repr patch saves, toggled in one run;
+* ``ours-direct``, ``path-direct`` — the same with ``EngineClientConfig(direct_receive=True)`` (``--direct-receive``);
 * ``path@NAME``  — the same, imported from another checkout (``--tree NAME=DIR``): a before/after in one run;
+  ``ours@NAME`` likewise for ``ours`` (unless ``--path-only``);
 * ``reference``  — ``grpc.aio`` channel, ``unary_stream('/openengine.v1.Inference/Generate')`` with upb
   (de)serializers, consumed with ``async for`` (one channel, as grpcio users write it).
 """
@@ -79,18 +84,26 @@ class Result:
         return 1e6 * self.client_cpu_s / self.messages if self.messages else float("nan")
 
     @property
+    def server_us_per_msg(self) -> float:
+        """Server CPU per message, µs (the engine's side)."""
+        return 1e6 * self.server_cpu_s / self.messages if self.messages else float("nan")
+
+    @property
     def server_share(self) -> float:
         """Server CPU time / wall time during the window (1.0 = one full core)."""
         return self.server_cpu_s / self.seconds if self.seconds > 0 else 0.0
 
 
-def make_request(max_tokens: int) -> generation_pb2.GenerateRequest:
-    """A 20k-token (by default) greedy request that ignores EOS, so it streams its full length."""
+def make_request(max_tokens: int, detokenize: bool = True) -> generation_pb2.GenerateRequest:
+    """A 20k-token (by default) greedy request that ignores EOS, so it streams its full length; ``detokenize=False``
+    asks the engine for token ids only (``extra.detokenize``, what the sidecar sends TensorRT-LLM)."""
     request = generation_pb2.GenerateRequest(request_id=str(uuid.uuid4()), model=MODEL)
     request.token_ids.ids.extend([1, 2, 3, 4, 5, 6, 7, 8])
     request.sampling.temperature = 0.0
     request.stopping.max_tokens = max_tokens
     request.stopping.ignore_eos = True
+    if not detokenize:
+        request.extra.fields["detokenize"].bool_value = False
     return request
 
 
@@ -122,7 +135,9 @@ def child_ours(args: argparse.Namespace) -> Result:
 
     async def main() -> Result:
         async with open_edge() as edge:
-            config = EngineClientConfig(parse_endpoint(args.target), connections=args.connections)
+            config = EngineClientConfig(
+                parse_endpoint(args.target), connections=args.connections, direct_receive=args.direct
+            )
             async with open_engine_client(edge, config) as client:
                 await client.wait_connected(trio.current_time() + 15)
                 count = 0
@@ -131,7 +146,7 @@ def child_ours(args: argparse.Namespace) -> Result:
                 async def slot() -> None:
                     nonlocal count, finished
                     while True:
-                        async with client.generate(make_request(args.max_tokens)) as batches:
+                        async with client.generate(make_request(args.max_tokens, not args.no_detokenize)) as batches:
                             async for batch in batches:
                                 count += len(batch)
                         finished += 1
@@ -145,6 +160,10 @@ def child_ours(args: argparse.Namespace) -> Result:
                     c1, f1, t1, cpu1, srv1 = count, finished, time.perf_counter(), own_cpu_s(), process_cpu_s(args.pid)
                     nursery.cancel_scope.cancel(reason="measurement window over")
         name = "ours" if args.connections != 1 else "ours-1conn"
+        if args.no_detokenize:
+            name = "ours-nodetok"
+        if args.direct:
+            name = "ours-direct"
         return Result(name, args.streams, c1 - c0, t1 - t0, cpu1 - cpu0, srv1 - srv0, f1 - f0)
 
     return trio.run(main)
@@ -186,7 +205,9 @@ def child_path(args: argparse.Namespace) -> Result:
 
     async def main() -> Result:
         async with open_edge() as edge:
-            config = EngineClientConfig(parse_endpoint(args.target), connections=args.connections)
+            config = EngineClientConfig(
+                parse_endpoint(args.target), connections=args.connections, direct_receive=args.direct
+            )
             async with open_engine_client(edge, config) as client:
                 info = await client.wait_connected(trio.current_time() + 15)
                 model = info.supported_models[0]
@@ -223,7 +244,7 @@ def child_path(args: argparse.Namespace) -> Result:
                     await trio.sleep(args.window)
                     c1, f1, t1, cpu1, srv1 = count, finished, time.perf_counter(), own_cpu_s(), process_cpu_s(args.pid)
                     nursery.cancel_scope.cancel(reason="measurement window over")
-        name = "path-h2repr" if args.h2_repr else "path"
+        name = "path-h2repr" if args.h2_repr else "path-direct" if args.direct else "path"
         return Result(name, args.streams, c1 - c0, t1 - t0, cpu1 - cpu0, srv1 - srv0, f1 - f0)
 
     return trio.run(main)
@@ -370,8 +391,13 @@ def run_child(client: str, streams: int, target: str, pid: int, args: argparse.N
     ]
     if client == "path-h2repr":
         argv.append("--h2-repr")
-    # path@NAME: the same child, imported from another checkout (--tree NAME=DIR), e.g. the commit before a change.
-    tree = dict(args.tree)[client.partition("@")[2]] if client.startswith("path@") else None
+    if client == "ours-nodetok":
+        argv.append("--no-detokenize")
+    if client.endswith("-direct"):
+        argv.append("--direct")
+    # path@NAME / ours@NAME: the same child, imported from another checkout (--tree NAME=DIR), e.g. the commit before
+    # a change.
+    tree = dict(args.tree)[client.partition("@")[2]] if "@" in client else None
     env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
     preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
     done = subprocess.run(
@@ -421,11 +447,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--path-only", action="store_true", help="measure only the request path (64-stream rows)")
     parser.add_argument(
+        "--direct-receive",
+        action="store_true",
+        help="also measure `ours` and `path` with EngineClientConfig(direct_receive=True) (sidecar/engine/_direct.py)",
+    )
+    parser.add_argument(
+        "--detokenize-ab",
+        action="store_true",
+        help="only the engine's side: `ours` with and without extra.detokenize=false (64-stream rows), interleaved; "
+        "the mock's CPU per message is the figure",
+    )
+    parser.add_argument(
         "--repr-ab", action="store_true", help="also the request path with hyperframe's own Frame.__repr__"
     )
     # child mode (internal)
     parser.add_argument("--child", choices=["ours", "reference", "path"], help=argparse.SUPPRESS)
     parser.add_argument("--h2-repr", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-detokenize", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -454,21 +493,30 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         for streams in args.streams:
-            clients = [] if args.path_only else ["ours", "reference"]
-            if streams > 1 and not args.no_1conn and not args.path_only:
+            clients = [] if args.path_only or args.detokenize_ab else ["ours", "reference"]
+            if args.detokenize_ab:
+                clients = ["ours", "ours-nodetok"] if streams > 1 else []
+            elif streams > 1 and not args.no_1conn and not args.path_only:
                 clients.append("ours-1conn")
-            if streams > 1:
+            if not args.path_only and not args.detokenize_ab:
+                clients.extend(f"ours@{name}" for name, _ in args.tree)
+                if args.direct_receive:
+                    clients.append("ours-direct")
+            if streams > 1 and not args.detokenize_ab:
                 clients.append("path")
                 if args.repr_ab:
                     clients.append("path-h2repr")
                 clients.extend(f"path@{name}" for name, _ in args.tree)
+                if args.direct_receive:
+                    clients.append("path-direct")
             for round_ in range(args.rounds):
                 for client in clients:
                     result = run_child(client, streams, mock.target, mock.pid, args, client_cpu)
                     results.setdefault((client, streams), []).append(result)
                     print(
-                        f"  round {round_ + 1}: {client:<11} x{streams:<3} {result.rate:9.0f} msg/s  "
-                        f"client {result.client_us_per_msg:6.1f} µs/msg  server CPU {100 * result.server_share:4.0f} %",
+                        f"  round {round_ + 1}: {client:<12} x{streams:<3} {result.rate:9.0f} msg/s  "
+                        f"client {result.client_us_per_msg:6.1f} µs/msg  server CPU {100 * result.server_share:4.0f} % "
+                        f"({result.server_us_per_msg:.1f} µs/msg)",
                         flush=True,
                     )
     finally:
@@ -485,14 +533,18 @@ def _median(values: list[float]) -> float:
 def print_table(results: dict[tuple[str, int], list[Result]], stream_counts: list[int]) -> None:
     """Medians per client and stream count, and the ratios ours / reference."""
     print()
-    header = f"{'client':<12}{'streams':>8}{'msg/s (median)':>16}{'client µs/msg':>15}{'server CPU':>12}{'runs':>6}"
+    header = (
+        f"{'client':<13}{'streams':>8}{'msg/s (median)':>16}{'client µs/msg':>15}{'server CPU':>12}"
+        f"{'server µs/msg':>15}{'runs':>6}"
+    )
     print(header)
     print("-" * len(header))
     rates: dict[tuple[str, int], float] = {}
     cpu: dict[tuple[str, int], float] = {}
     for streams in stream_counts:
         trees = dict.fromkeys(c for c, _ in results if "@" in c)
-        for client in ("ours", "ours-1conn", "path", "path-h2repr", *trees, "reference"):
+        order = ("ours", "ours-direct", "ours-nodetok", "ours-1conn", "path", "path-direct", "path-h2repr")
+        for client in (*order, *trees, "reference"):
             runs = results.get((client, streams))
             if not runs:
                 continue
@@ -500,9 +552,20 @@ def print_table(results: dict[tuple[str, int], list[Result]], stream_counts: lis
             rates[(client, streams)] = rate
             us = cpu[(client, streams)] = _median([r.client_us_per_msg for r in runs])
             share = _median([r.server_share for r in runs])
-            print(f"{client:<12}{streams:>8}{rate:>16.0f}{us:>15.1f}{100 * share:>11.0f}%{len(runs):>6}")
+            server_us = _median([r.server_us_per_msg for r in runs])
+            print(
+                f"{client:<13}{streams:>8}{rate:>16.0f}{us:>15.1f}{100 * share:>11.0f}%{server_us:>15.1f}{len(runs):>6}"
+            )
     print()
     for streams in stream_counts:
+        with_text, without = results.get(("ours", streams)), results.get(("ours-nodetok", streams))
+        if with_text and without:
+            a = _median([r.server_us_per_msg for r in with_text])
+            b = _median([r.server_us_per_msg for r in without])
+            print(
+                f"engine (mock) CPU per message at {streams} stream(s): {a:.1f} µs detokenizing, {b:.1f} µs with "
+                f"extra.detokenize=false ({b / a:.2f}x)"
+            )
         if ("path-h2repr", streams) in cpu and ("path", streams) in cpu:
             patched, original = cpu[("path", streams)], cpu[("path-h2repr", streams)]
             print(
@@ -510,10 +573,12 @@ def print_table(results: dict[tuple[str, int], list[Result]], stream_counts: lis
                 f"without ({patched / original:.2f}x)"
             )
         for client, count in cpu:
-            if count == streams and "@" in client and ("path", streams) in cpu:
-                here, there = cpu[("path", streams)], cpu[(client, streams)]
+            kind = client.partition("@")[0]
+            if count == streams and "@" in client and (kind, streams) in cpu:  # here against the other tree
+                here, there = cpu[(kind, streams)], cpu[(client, streams)]
+                what = "request path" if kind == "path" else "engine client alone"
                 print(
-                    f"request path at {streams} stream(s): {here:.1f} µs/msg here, {there:.1f} in "
+                    f"{what} at {streams} stream(s): {here:.1f} µs/msg here, {there:.1f} in "
                     f"{client.partition('@')[2]} ({here / there:.2f}x)"
                 )
         ref = rates.get(("reference", streams))

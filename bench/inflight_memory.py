@@ -5,9 +5,10 @@
     python -m bench.inflight_memory --top 25         # also the 25 largest tracemalloc sites per request
 
 The path of one request is the worker's, minus the Dynamo binding: an asyncio task on the edge loop iterates the
-Dynamo handler (``sidecar.dynamo._handler.make_handler``, with a stand-in for Dynamo's ``Context``), whose pump runs
-``RequestServer.handle`` as a trio task over ``edge.trio_stream``; that task opens the ``Generate`` stream through
-``EngineClient`` (``edge.open_stream`` and grpclib). The mock decodes slowly (``--decode-ms-per-token``, 100 ms by
+Dynamo handler (``sidecar.dynamo._handler.make_handler``, with a stand-in for Dynamo's ``Context``), which runs
+``RequestServer.handle`` as a trio task feeding its outbox (``edge.trio_feed``); that task opens the ``Generate``
+stream through ``EngineClient`` (``edge.open_feed``, received by ``sidecar.engine._direct`` on grpclib's connection).
+The mock decodes slowly (``--decode-ms-per-token``, 100 ms by
 default), so every request stays open once it has its first token.
 
 Two measurements, each in a fresh child process (tracemalloc itself costs memory and time):

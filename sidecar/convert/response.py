@@ -240,7 +240,9 @@ class ResponseMapper:
                     if token.text:
                         self._text_seen[index] = True
                     self._text_withheld[index] = not token.text
-                ids = [info.token_id for info in infos]
+                # One token per event is the common case (TensorRT-LLM's default stream interval): no list
+                # comprehension (a frame of its own) for it.
+                ids = [infos[0].token_id] if len(infos) == 1 else [info.token_id for info in infos]
                 self._completion[index] += len(ids)
                 last = tokens_to[-1] if tokens_to else None
                 if last is not None and last["index"] == index and "finish_reason" not in last:
@@ -457,28 +459,38 @@ class ResponseMapper:
         completes, its text is cut. So with stop strings (and an engine that sends text at all) a token event that
         carries tokens but no text is a candidate as well: the next event shows whether the engine finished there.
         """
+        if self._n == 1:
+            # One output (nearly every request): its last chunk decides; a finished output awaits nothing.
+            if not chunks or self._finished[0]:
+                return False
+            return self._ends_with_terminal_token(chunks[-1], 0)
         seen: set[int] = set()
         for chunk in reversed(chunks):
             index: int = chunk["index"]
             if index in seen or "finish_reason" in chunk or self._finished[index]:
                 continue
             seen.add(index)
-            ids: list[int] = chunk["token_ids"]
-            if not ids:
-                continue
-            count = self._completion[index]
-            if self._max_tokens is not None and count >= self._max_tokens:
+            if self._ends_with_terminal_token(chunk, index):
                 return True
-            if ids[-1] in self._terminal_ids and count >= self._min_tokens:
+        return False
+
+    def _ends_with_terminal_token(self, chunk: Chunk, index: int) -> bool:
+        ids: list[int] = chunk["token_ids"]
+        if not ids or "finish_reason" in chunk:
+            return False
+        count = self._completion[index]
+        if self._max_tokens is not None and count >= self._max_tokens:
+            return True
+        if ids[-1] in self._terminal_ids and count >= self._min_tokens:
+            return True
+        if self._text_withheld[index] and count >= self._min_tokens:
+            # The engine holds this token's text back: it may be the start -- or the end -- of a stop string.
+            if self._text_seen[index]:
                 return True
-            if self._text_withheld[index] and count >= self._min_tokens:
-                # The engine holds this token's text back: it may be the start -- or the end -- of a stop string.
-                if self._text_seen[index]:
-                    return True
-                if self._text_first[index]:
-                    self._text_first[index] = False
-                    return True
-            self._text_first[index] = False
+            if self._text_first[index]:
+                self._text_first[index] = False
+                return True
+        self._text_first[index] = False
         return False
 
     def end_of_stream(self) -> None:

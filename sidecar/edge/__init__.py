@@ -18,7 +18,12 @@ either side is shielded and time-bounded.
 from ._errors import BridgeCancelled as BridgeCancelled
 from ._errors import EdgeClosed as EdgeClosed
 from ._errors import EdgeError as EdgeError
+from ._errors import StreamIdle as StreamIdle
 from ._thread import Edge as Edge
 from ._thread import open_edge as open_edge
 from ._to_asyncio import BatchStream as BatchStream
+from ._to_asyncio import Feed as Feed
+from ._to_asyncio import FeedStream as FeedStream
 from ._to_trio import AsyncioBatchStream as AsyncioBatchStream
+from ._to_trio import LoopSink as LoopSink
+from ._to_trio import TrioFeed as TrioFeed

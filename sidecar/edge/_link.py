@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Final, TypeVarTuple
+from typing import TYPE_CHECKING, Any, Final, TypeVarTuple
 
 import trio
 
@@ -70,7 +70,8 @@ class Link:
     one drain too many, which finds the queue empty.
     """
 
-    __slots__ = ("_trio_finished", "_trio_jobs", "_trio_posted", "loop", "shutting_down", "token")
+    __slots__ = ("_trio_finished", "_trio_jobs", "_trio_posted", "feeds", "idle_watch", "loop", "shutting_down",
+                 "token")  # fmt: skip
 
     def __init__(self, loop: asyncio.AbstractEventLoop, token: trio.lowlevel.TrioToken) -> None:
         self.loop: Final = loop
@@ -78,6 +79,10 @@ class Link:
         # Loop thread only: set before the leftover tasks are cancelled, so their cancellation reads as EdgeClosed.
         self.shutting_down = False
         self._trio_jobs: Final[deque[_Job]] = deque()
+        # Loop thread only: feeds (``Edge.open_feed``) started and not finished; failed if the loop shuts down.
+        self.feeds: Final[set[Any]] = set()
+        # Loop thread only: the sweep over feeds watched for silence (``_to_asyncio.IdleWatch``), made on first use.
+        self.idle_watch: Any = None
         self._trio_posted = False
         self._trio_finished = False
 

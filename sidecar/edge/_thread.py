@@ -18,13 +18,14 @@ import uvloop
 
 from ._errors import EdgeClosed, EdgeError
 from ._link import Link, logger, to_trio
-from ._to_asyncio import AsyncioCall, BatchStream
-from ._to_trio import start_trio_call, start_trio_stream
+from ._to_asyncio import AsyncioCall, BatchStream, FeedStream
+from ._to_trio import start_trio_call, start_trio_feed, start_trio_stream
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
-    from ._to_trio import AsyncioBatchStream
+    from ._to_asyncio import Feed
+    from ._to_trio import AsyncioBatchStream, LoopSink, TrioFeed
 
 __all__ = ["Edge", "open_edge"]
 
@@ -104,6 +105,20 @@ class Edge:
         link = self._require_open()
         return BatchStream(link, fn, args, high_water)
 
+    def open_feed(self, start: Callable[[Feed[T], *Ts], None], *args: *Ts, high_water: int = 1024) -> FeedStream[T]:
+        """Consume, from trio, items a loop-side producer hands over with callbacks (trio ← asyncio, no pump task).
+
+        ``async with edge.open_feed(start, arg) as batches: async for batch in batches: ...``
+
+        Entering the block calls ``start(feed, *args)`` on the edge loop; the producer then calls ``feed.push(items)``
+        from loop callbacks (e.g. a protocol's ``data_received``) and finally ``feed.end()`` or ``feed.fail(error)``;
+        batching, the error after the items, backpressure (``feed.push`` returns False at ``high_water`` items not
+        taken; ``feed.hold(callback)``) and leaving early (``feed.on_cancel`` runs on the loop; at most 1 s is waited
+        for it) are as in :meth:`open_stream`. See :class:`~sidecar.edge._to_asyncio.Feed`.
+        """
+        link = self._require_open()
+        return FeedStream(link, start, args, high_water)
+
     def trio_stream(
         self, nursery: trio.Nursery, fn: Callable[[*Ts], AsyncIterator[T]], *args: *Ts, high_water: int = 1024
     ) -> AsyncioBatchStream[T]:
@@ -117,6 +132,22 @@ class Edge:
         """
         link = self._require_loop_thread("trio_stream")
         return start_trio_stream(link, nursery, fn, args, high_water, f"trio_stream:{_name_of(fn)}")
+
+    def trio_feed(
+        self,
+        nursery: trio.Nursery,
+        sink: LoopSink[T],
+        fn: Callable[[*Ts], AsyncIterator[T]],
+        *args: *Ts,
+        high_water: int = 1024,
+    ) -> TrioFeed[T]:
+        """Like :meth:`trio_stream`, but the batches go to ``sink``'s methods on the loop as they arrive, with no
+        asyncio task waking per batch (see :class:`~sidecar.edge._to_trio.LoopSink`). Call it **on the edge loop
+        thread**; stop the trio task with the returned handle's ``cancel(reason)``, and call its ``credit()`` when the
+        sink's ``taken`` grows after it held batches back.
+        """
+        link = self._require_loop_thread("trio_feed")
+        return start_trio_feed(link, nursery, sink, fn, args, high_water, f"trio_feed:{_name_of(fn)}")
 
     async def trio_call(self, nursery: trio.Nursery, fn: Callable[[*Ts], Awaitable[T]], *args: *Ts) -> T:
         """Run ``fn(*args)`` as a trio task in ``nursery`` and return its result (asyncio → trio). Await it **on the
@@ -203,6 +234,9 @@ class Edge:
             except BaseException:
                 logger.exception("edge: shutting down loop %r failed", self._name)
             finally:
+                # Feeds have no task the shutdown could cancel: their producers (protocol callbacks) are gone now.
+                for feed in list(link.feeds):
+                    feed.fail(EdgeClosed("the edge loop shut down under this stream"))
                 asyncio.set_event_loop(None)
                 loop.close()
                 to_trio(self._token, self._started.set)  # no-op unless the loop died before it ever ran

@@ -8,12 +8,13 @@ trio and read by the pump between two items (see :class:`_Pump`).
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Final, Generic, TypeVar
+import math
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 import outcome
 import trio
 
-from ._errors import EdgeClosed
+from ._errors import EdgeClosed, StreamIdle
 from ._inbox import Inbox
 from ._link import EXIT_GRACE, MAX_BATCH, aclose_iterator, logger
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
     from ._link import Link
 
-__all__ = ["AsyncioCall", "BatchStream"]
+__all__ = ["AsyncioCall", "BatchStream", "Feed", "FeedStream"]
 
 T = TypeVar("T")
 
@@ -150,6 +151,17 @@ class BatchStream(Inbox[T]):
         self._waiter = None
         return trio.lowlevel.Abort.SUCCEEDED
 
+    def watch_idle(self, seconds: float) -> None:
+        """As :meth:`FeedStream.watch_idle`: a consumer waiting while nothing arrived for ``seconds`` gets
+        :class:`StreamIdle` (the stream stays open)."""
+        self._link.to_loop(self._pump.watch_idle, seconds)
+
+    def interrupt(self, error: BaseException) -> None:
+        """Raise ``error`` in the consumer if it is waiting in ``__anext__`` now (else nothing happens)."""
+        if (task := self._waiter) is not None:
+            self._waiter = None
+            trio.lowlevel.reschedule(task, outcome.Error(error))
+
     async def _aclose(self) -> None:
         # Stop first and tidy up afterwards: the pump may be running flat out, and every item it reads meanwhile is
         # latency (freeing a large backlog here takes milliseconds, with the GIL held).
@@ -191,8 +203,8 @@ class _Pump(Generic[T]):
     asks to be woken (``wants_credit``), so a consumer that keeps up sends nothing back across the threads.
     """
 
-    __slots__ = ("_args", "_batch", "_closing", "_credit", "_fn", "_high_water", "_link", "_max_batch", "_posted",
-                 "_sink", "_task", "stop", "wants_credit")  # fmt: skip
+    __slots__ = ("_args", "_batch", "_closing", "_credit", "_fn", "_high_water", "_idle_s", "_link", "_max_batch",
+                 "_posted", "_quiet_since", "_sink", "_task", "stop", "wants_credit")  # fmt: skip
 
     def __init__(
         self,
@@ -220,6 +232,27 @@ class _Pump(Generic[T]):
         self._closing = False
         # Written by the pump, read by trio: the pump waits for the consumer to take items.
         self.wants_credit = False
+        # loop: watch_idle's period, and since when nothing was posted or reported (loop.time()).
+        self._idle_s = 0.0
+        self._quiet_since = 0.0
+
+    def watch_idle(self, seconds: float) -> None:
+        """Loop callback: report silences of ``seconds`` to a waiting consumer (see ``IdleWatch``)."""
+        if self._closing or seconds <= 0:
+            return
+        self._idle_s = seconds
+        self._quiet_since = self._link.loop.time()
+        watch = self._link.idle_watch
+        if watch is None:
+            watch = self._link.idle_watch = IdleWatch(self._link)
+        watch.add(self)
+
+    def idle_check(self, now: float) -> None:
+        """Loop (the sweep): tell a waiting consumer once per ``watch_idle`` period of silence."""
+        idle = now - self._quiet_since
+        if idle >= self._idle_s:
+            self._quiet_since = now
+            self._link.to_trio(self._sink.interrupt, StreamIdle(f"nothing arrived for {idle:.3g}s"))
 
     def start(self) -> None:
         """Loop callback: start pumping, unless trio already left."""
@@ -244,6 +277,8 @@ class _Pump(Generic[T]):
         if self._batch:
             batch, self._batch = self._batch, []
             self._posted += len(batch)
+            if self._idle_s:
+                self._quiet_since = self._link.loop.time()
             if not self._link.to_trio(self._sink._deliver, batch):
                 self.stop = True
 
@@ -286,6 +321,8 @@ class _Pump(Generic[T]):
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         # A done callback rather than a finally: a task cancelled before its first step never runs its body.
+        if self._idle_s and self._link.idle_watch is not None:
+            self._link.idle_watch.feeds.discard(self)
         if self.stop:
             if not task.cancelled() and (error := task.exception()) is not None:
                 logger.debug("edge: asyncio stream failed after the trio side left", exc_info=error)
@@ -298,3 +335,281 @@ class _Pump(Generic[T]):
             else:
                 self._link.to_trio(self._sink._end)
         self._link.to_trio(self._sink._finished)
+
+
+class FeedStream(Inbox[T]):
+    """What ``Edge.open_feed`` returns: like :class:`BatchStream`, but fed by callbacks on the loop instead of by a
+    pump task iterating an asyncio iterator.
+
+    For a producer that already runs as loop callbacks (a protocol's ``data_received``): it hands its items to
+    :meth:`Feed.push` as they arrive, so nothing on the loop wakes per item or per batch -- no task, no future. The
+    rules are :class:`BatchStream`'s: batches in order, then the error (the same object) or the end; one consumer
+    task; leaving the block tells the producer (:attr:`Feed.on_cancel`, on the loop) and waits at most 1 s for it to
+    finish.
+    """
+
+    __slots__ = ("_busy", "_done_event", "_feed", "_feed_finished", "_waiter")
+
+    def __init__(self, link: Link, start: Callable[..., None], args: tuple[object, ...], high_water: int) -> None:
+        if high_water < 1:
+            raise ValueError(f"high_water must be at least 1, not {high_water}")
+        super().__init__(link)  # the inbox: trio's
+        self._feed: Final = Feed(link, self, start, args, high_water)
+        self._busy = False
+        self._waiter: trio.lowlevel.Task | None = None
+        self._feed_finished = False
+        self._done_event: trio.Event | None = None
+
+    async def __aenter__(self) -> FeedStream[T]:
+        await trio.lowlevel.checkpoint()
+        if not self._link.to_loop(self._feed._start):
+            raise EdgeClosed("the edge loop is closed")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        feed = self._feed
+        feed.stopped = True
+        self._closed = True
+        if not self._feed_finished and self._link.to_loop(feed._cancel):
+            with trio.CancelScope(shield=True), trio.move_on_after(EXIT_GRACE) as bound:
+                while not self._feed_finished:
+                    self._done_event = trio.Event()
+                    await self._done_event.wait()
+            if bound.cancelled_caught:
+                logger.warning("edge: a feed did not finish within %.1f s of being cancelled", EXIT_GRACE)
+        self._batches.clear()
+
+    def __aiter__(self) -> FeedStream[T]:
+        return self
+
+    async def __anext__(self) -> list[T]:
+        if self._busy:
+            raise trio.BusyResourceError("another task is already iterating this stream")
+        self._busy = True
+        try:
+            if self._batches:
+                await trio.lowlevel.checkpoint()
+            while (batch := self._take()) is None:
+                self._waiter = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
+        finally:
+            self._busy = False
+        if self._feed.wants_credit:  # read after writing `taken`: see Feed.hold
+            self._link.to_loop(self._feed._credit)
+        return batch
+
+    def _abort_wait(self, _: object) -> trio.lowlevel.Abort:
+        self._waiter = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def watch_idle(self, seconds: float) -> None:
+        """From now on, a consumer waiting while nothing was pushed for ``seconds`` gets :class:`StreamIdle` raised
+        (the stream stays open). One timer on the loop per stream, instead of a deadline per wait in trio."""
+        self._link.to_loop(self._feed._watch_idle, seconds)
+
+    def interrupt(self, error: BaseException) -> None:
+        """Raise ``error`` in the consumer if it is waiting in ``__anext__`` now (else nothing happens)."""
+        if (task := self._waiter) is not None:
+            self._waiter = None
+            trio.lowlevel.reschedule(task, outcome.Error(error))
+
+    # trio thread (Inbox's hooks)
+
+    def _wake(self) -> None:
+        if (task := self._waiter) is not None:
+            self._waiter = None
+            trio.lowlevel.reschedule(task)
+
+    def _pump_gone(self) -> None:
+        self._feed_finished = True
+        if self._done_event is not None:
+            self._done_event.set()
+
+
+class Feed(Generic[T]):
+    """The loop side of a :class:`FeedStream`: what its producer calls, on the loop thread only.
+
+    ``start(feed, *args)`` is called on the loop when trio enters the stream; it sets :attr:`on_cancel` and arranges
+    for :meth:`push`, then :meth:`end` or :meth:`fail` (the first of the two counts; both are no-ops after it).
+
+    Backpressure: :meth:`push` always hands its items over (a producer bounded by something else -- an HTTP/2
+    window -- cannot un-receive them) and returns whether the consumer is below ``high_water`` items not taken.
+    A producer that must hold back calls :meth:`hold` with a callback; it runs on the loop once the consumer has
+    taken items (only a holding producer is posted to: a consumer that keeps up sends nothing back).
+    """
+
+    __slots__ = ("_args", "_done", "_high_water", "_idle_s", "_link", "_on_room", "_posted", "_quiet_since", "_sink",
+                 "_start_fn", "on_cancel", "stopped", "wants_credit")  # fmt: skip
+
+    def __init__(
+        self, link: Link, sink: FeedStream[T], start: Callable[..., None], args: tuple[object, ...], high_water: int
+    ) -> None:
+        self._link: Final = link
+        self._sink: Final = sink
+        self._start_fn: Final = start
+        self._args: Final = args
+        self._high_water: Final = high_water
+        self._posted = 0  # loop: items pushed so far
+        self._done = False  # loop: end, fail or the cancel has been handled
+        self._on_room: Callable[[], None] | None = None  # loop: the holding producer's callback
+        # loop: watch_idle's period, and since when nothing was pushed or reported (loop.time()).
+        self._idle_s = 0.0
+        self._quiet_since = 0.0
+        #: Loop: called once if trio leaves before the end (set by the producer; replace it as its state changes).
+        self.on_cancel: Callable[[], object] | None = None
+        #: Written by trio when it leaves, read by the loop (the producer may look before doing more work).
+        self.stopped = False
+        #: Written by the loop, read by trio: a producer holds back until the consumer takes items.
+        self.wants_credit = False
+
+    @property
+    def has_room(self) -> bool:
+        """Fewer than ``high_water`` items pushed and not yet taken by trio."""
+        return self._posted - self._sink.taken < self._high_water
+
+    @property
+    def done(self) -> bool:
+        """True once the feed ended, failed or was cancelled: pushes are dropped from then on."""
+        return self._done
+
+    def push(self, items: list[T]) -> bool:
+        """Hand ``items`` (non-empty; not touched by the producer afterwards) to trio; returns :attr:`has_room`."""
+        if self._done:
+            return False
+        self._posted += len(items)
+        if self._idle_s:
+            self._quiet_since = self._link.loop.time()
+        if not self._link.to_trio(self._sink._deliver, items):
+            self._done = True
+            return False
+        return self._posted - self._sink.taken < self._high_water
+
+    def hold(self, on_room: Callable[[], None]) -> None:
+        """Call ``on_room()`` (on the loop) once the consumer is below ``high_water`` again; at once if it is now."""
+        self._on_room = on_room
+        self.wants_credit = True
+        # A second look after raising the flag: a consumer that took items before it saw the flag shows up in
+        # `taken` now; one that takes items after this look sees the flag and posts `_credit`.
+        self._credit()
+
+    def end(self) -> None:
+        """The stream is complete: trio's iteration ends after every item pushed."""
+        if not self._done:
+            self._done = True
+            self._link.feeds.discard(self)
+            self._stop_watching()
+            self._link.to_trio(self._sink._end)
+            self._link.to_trio(self._sink._finished)
+
+    def fail(self, error: BaseException) -> None:
+        """The stream failed: ``error`` (the same object) is raised in trio after every item pushed."""
+        if not self._done:
+            self._done = True
+            self._link.feeds.discard(self)
+            self._stop_watching()
+            self._link.to_trio(self._sink._fail, error)
+            self._link.to_trio(self._sink._finished)
+
+    def after_round(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop once trio has run what was pushed so far (at its next round; at once if trio
+        has finished). A producer that waits for it before pushing again lets what arrives meanwhile merge into one
+        batch while trio is busy, and costs nothing while it is idle."""
+        if not self._link.to_trio(self._link.to_loop, callback):
+            callback()
+
+    def fail_cancelled(self) -> None:
+        """The producer's own task was cancelled by someone other than trio (the loop shutting down, most likely)."""
+        self.fail(self._link.asyncio_cancelled())
+
+    # loop callbacks posted by trio
+
+    def _start(self) -> None:
+        if self.stopped:
+            self._done = True
+            self._link.to_trio(self._sink._finished)
+            return
+        self._link.feeds.add(self)
+        try:
+            self._start_fn(self, *self._args)
+        except Exception as exc:
+            self.fail(exc)
+
+    def _cancel(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._link.feeds.discard(self)
+        self._stop_watching()
+        self.wants_credit = False
+        on_cancel, self.on_cancel = self.on_cancel, None
+        try:
+            if on_cancel is not None:
+                on_cancel()
+        except Exception:
+            logger.exception("edge: cancelling a feed's producer failed")
+        finally:
+            self._link.to_trio(self._sink._finished)
+
+    def _watch_idle(self, seconds: float) -> None:
+        if self._done or seconds <= 0:
+            return
+        self._idle_s = seconds
+        self._quiet_since = self._link.loop.time()
+        watch = self._link.idle_watch
+        if watch is None:
+            watch = self._link.idle_watch = IdleWatch(self._link)
+        watch.add(self)
+
+    def idle_check(self, now: float) -> None:
+        """Loop (the sweep): tell a waiting consumer once per ``watch_idle`` period of silence."""
+        idle = now - self._quiet_since
+        if idle >= self._idle_s:
+            self._quiet_since = now
+            self._link.to_trio(self._sink.interrupt, StreamIdle(f"nothing arrived for {idle:.3g}s"))
+
+    def _stop_watching(self) -> None:
+        if self._idle_s and self._link.idle_watch is not None:
+            self._link.idle_watch.feeds.discard(self)
+
+    def _credit(self) -> None:
+        on_room = self._on_room
+        if on_room is not None and self._posted - self._sink.taken < self._high_water:
+            self._on_room = None
+            self.wants_credit = False
+            if not self._done:
+                on_room()
+
+
+class IdleWatch:
+    """One timer for every feed watched for silence on a loop (a timer per stream would cost ~0.6 KiB each).
+
+    Sweeps every eighth of the shortest period watched, so a silence is reported between 1 and 1⅛ periods after
+    the last push; stops while no feed is watched.
+    """
+
+    __slots__ = ("_link", "_period", "_timer", "feeds")
+
+    def __init__(self, link: Link) -> None:
+        self._link: Final = link
+        self.feeds: Final[set[Feed[Any] | _Pump[Any]]] = set()
+        self._period = math.inf
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, feed: Feed[Any] | _Pump[Any]) -> None:
+        self.feeds.add(feed)
+        period = feed._idle_s / 8
+        if self._timer is None or period < self._period:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._period = period
+            self._timer = self._link.loop.call_later(period, self._sweep)
+
+    def _sweep(self) -> None:
+        if not self.feeds:
+            self._timer = None
+            self._period = math.inf
+            return
+        now = self._link.loop.time()
+        for feed in list(self.feeds):
+            feed.idle_check(now)
+        self._timer = self._link.loop.call_later(self._period, self._sweep)

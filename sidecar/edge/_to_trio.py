@@ -8,7 +8,7 @@ loop thread.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Final, Generic, TypeVar
+from typing import TYPE_CHECKING, Final, Generic, Protocol, TypeVar
 
 import outcome
 import trio
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from ._link import Link
 
-__all__ = ["AsyncioBatchStream", "start_trio_call", "start_trio_stream"]
+__all__ = ["AsyncioBatchStream", "LoopSink", "TrioFeed", "start_trio_call", "start_trio_feed", "start_trio_stream"]
 
 T = TypeVar("T")
 
@@ -99,6 +99,48 @@ class AsyncioBatchStream(Inbox[T]):
             self._trio_done.set_result(None)
 
 
+class LoopSink(Protocol[T]):
+    """Where a trio pump's batches go on the loop without an asyncio task in between (``Edge.trio_feed``).
+
+    Every method is called on the loop thread, in order: ``_deliver`` per batch, then ``_fail`` (the trio exception,
+    the same object) or ``_end`` unless the consumer stopped the pump, and ``_finished`` last, always. ``taken`` --
+    written by the loop, read by trio -- counts the items the sink has accepted: the pump runs at most ``high_water``
+    items ahead of it.
+    """
+
+    taken: int
+
+    def _deliver(self, batch: list[T]) -> None: ...
+
+    def _fail(self, error: BaseException) -> None: ...
+
+    def _end(self) -> None: ...
+
+    def _finished(self) -> None: ...
+
+
+class TrioFeed(Generic[T]):
+    """The loop side's handle on a trio pump feeding a :class:`LoopSink` (``Edge.trio_feed``); loop thread only."""
+
+    __slots__ = ("_link", "_pump", "_stop_sent")
+
+    def __init__(self, link: Link, pump: _TrioPump[T]) -> None:
+        self._link: Final = link
+        self._pump: Final = pump
+        self._stop_sent = False
+
+    def cancel(self, reason: str) -> None:
+        """Cancel the trio task (its scope, with ``reason``); idempotent. The sink still hears ``_finished``."""
+        if not self._stop_sent:
+            self._stop_sent = True
+            self._link.to_trio(self._pump.cancel, reason)
+
+    def credit(self) -> None:
+        """The sink's ``taken`` grew: wake the pump if it waits for room (a pump that does not costs no post)."""
+        if self._pump.wants_credit:
+            self._link.to_trio(self._pump.credit)
+
+
 class _TrioPump(Generic[T]):
     """The trio half of an :class:`AsyncioBatchStream`: iterates ``fn()`` in trio and posts batches to the loop.
 
@@ -114,7 +156,7 @@ class _TrioPump(Generic[T]):
     def __init__(
         self,
         link: Link,
-        sink: AsyncioBatchStream[T],
+        sink: LoopSink[T],
         fn: Callable[..., AsyncIterator[T]],
         args: tuple[object, ...],
         high_water: int,
@@ -235,6 +277,25 @@ def start_trio_stream(
         stream._fail(EdgeClosed(f"cannot start {name}: the trio run has finished"))
         stream._finished()
     return stream
+
+
+def start_trio_feed(
+    link: Link,
+    nursery: trio.Nursery,
+    sink: LoopSink[T],
+    fn: Callable[..., AsyncIterator[T]],
+    args: tuple[object, ...],
+    high_water: int,
+    name: str,
+) -> TrioFeed[T]:
+    """Loop thread: start ``fn(*args)`` as a trio task in ``nursery`` feeding ``sink``; return the sink's handle."""
+    if high_water < 1:
+        raise ValueError(f"high_water must be at least 1, not {high_water}")
+    pump = _TrioPump(link, sink, fn, args, high_water, name)
+    if not link.to_trio(pump.spawn, nursery):
+        sink._fail(EdgeClosed(f"cannot start {name}: the trio run has finished"))
+        sink._finished()
+    return TrioFeed(link, pump)
 
 
 class _TrioCall(Generic[T]):

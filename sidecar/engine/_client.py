@@ -74,6 +74,7 @@ from sidecar.errors import EngineRpcError, GrpcCode
 
 from . import _grpclib_lean
 from ._compat import CLIENT_REVISION, PINNED_SCHEMA_RELEASE
+from ._direct import start_direct_stream
 from ._metadata import TraceContext, check_metadata
 from ._status import to_engine_rpc_error
 from ._transport import GoawayRefused, PooledChannel, TlsFiles, TlsSource
@@ -81,7 +82,7 @@ from ._transport import GoawayRefused, PooledChannel, TlsFiles, TlsSource
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
-    from sidecar.edge import BatchStream, Edge
+    from sidecar.edge import BatchStream, Edge, Feed, FeedStream
 
     from ._config import EngineClientConfig
 
@@ -150,7 +151,7 @@ class BatchIterator(Generic[_T]):
 
     __slots__ = ("_batches", "_rpc")
 
-    def __init__(self, rpc: str, batches: BatchStream[_T]) -> None:
+    def __init__(self, rpc: str, batches: BatchStream[_T] | FeedStream[_T]) -> None:
         self._rpc = rpc
         self._batches = batches
 
@@ -172,6 +173,16 @@ class BatchIterator(Generic[_T]):
             return await self._batches.__anext__()
         except EdgeError as exc:
             raise EngineRpcError(self._rpc, GrpcCode.UNAVAILABLE, f"the edge loop is gone: {exc}") from exc
+
+    def watch_idle(self, seconds: float) -> None:
+        """Raise :class:`~sidecar.edge.StreamIdle` in a consumer waiting while the engine sent nothing for
+        ``seconds`` (the stream stays open). One sweep on the edge loop for every stream watched: the consumer needs
+        no deadline of its own per wait."""
+        self._batches.watch_idle(seconds)
+
+    def interrupt(self, error: BaseException) -> None:
+        """Raise ``error`` in the consumer if it is waiting for the next batch now (else nothing happens)."""
+        self._batches.interrupt(error)
 
 
 class _BoundedProtoCodec(ProtoCodec):
@@ -446,16 +457,19 @@ class EngineClient:
             pairs.extend(trace.pairs())
         check_metadata(pairs)
         channel = self._pick_channel("Generate")
-        return self._server_stream(
-            "Generate",
-            channel,
-            GENERATE_PATH,
-            request,
-            generation_pb2.GenerateRequest,
-            generation_pb2.GenerateResponse,
-            pairs,
-            timeout_s,
-        )
+        if not self._config.direct_receive:
+            return self._server_stream(
+                "Generate", channel, GENERATE_PATH, request, generation_pb2.GenerateRequest,
+                generation_pb2.GenerateResponse, pairs, timeout_s,
+            )  # fmt: skip
+        # Received straight from the HTTP/2 events (_direct.py): no grpclib stream, buffer or task per message.
+        try:
+            feed = self._edge.open_feed(
+                _aio_start_generate, channel, request, pairs, timeout_s, self._config.max_message_bytes
+            )
+        except EdgeError as exc:
+            raise EngineRpcError("Generate", GrpcCode.UNAVAILABLE, f"the edge loop is gone: {exc}") from exc
+        return BatchIterator("Generate", feed)
 
     # ------------------------------------------------------------------ Control
 
@@ -748,6 +762,20 @@ def _note_stream_limit(rpc: str, channel: PooledChannel) -> None:
             limit,
             rpc,
         )
+
+
+def _aio_start_generate(
+    feed: Feed[generation_pb2.GenerateResponse],
+    channel: PooledChannel,
+    request: generation_pb2.GenerateRequest,
+    metadata: list[tuple[str, str]],
+    timeout_s: float | None,
+    max_bytes: int,
+) -> None:
+    start_direct_stream(
+        feed, "Generate", channel, GENERATE_PATH, request, generation_pb2.GenerateResponse, metadata, timeout_s,
+        max_bytes, _note_stream_limit,
+    )  # fmt: skip
 
 
 async def _aio_unary(

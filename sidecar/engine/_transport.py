@@ -32,6 +32,7 @@ import math
 import os
 import ssl
 import stat
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,8 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from grpclib.client import Channel, Handler
 from grpclib.protocol import EventsProcessor, H2Protocol
 from h2.errors import ErrorCodes
-from h2.events import ConnectionTerminated
+from h2.events import ConnectionTerminated, DataReceived
+from h2.exceptions import ProtocolError
 from hyperframe.frame import GoAwayFrame
 
 if TYPE_CHECKING:
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
     from ._endpoint import Endpoint
 
 __all__ = [
+    "DirectSink",
     "GoawayRefused",
     "PoolListener",
     "PooledChannel",
@@ -69,6 +72,9 @@ log = logging.getLogger("sidecar.engine")
 #: A transport problem (same text) is logged as a WARNING at most this often.
 _WARN_EVERY_S: Final = 30.0
 _warned_at: dict[str, float] = {}  # edge loop only
+# An HTTP/2 frame header: 24-bit length (16 + 8 bits here), type, flags, stream id (RFC 9113 §4.1).
+_FRAME_HEADER: Final = struct.Struct(">HBBBL")
+_DATA_FRAME: Final = 0
 # The first two bytes of a TLS record carrying an alert (0x15) or a handshake (0x16), TLS 1.x. An HTTP/2 server's
 # first frame is SETTINGS, whose 3-byte length starts with 0x00, so the two never look alike.
 _TLS_RECORD_STARTS: Final = (b"\x15\x03", b"\x16\x03")
@@ -387,6 +393,50 @@ def _explain_unix(exc: OSError, path: str) -> str:
 # ---------------------------------------------------------------------------------------------- connection
 
 
+class DirectSink:
+    """A stream whose HTTP/2 events the processor hands over as they are, instead of to a grpclib ``Stream``.
+
+    Registered in ``processor.streams`` under its stream id like grpclib's streams (so that GOAWAY, a lost
+    connection, the stream-limit log and ``release`` treat both alike); ``_direct.DirectStream`` is the one kind.
+    ``window_updated`` is what grpclib sets on every stream when the peer grants send window.
+    """
+
+    __slots__ = ()
+
+    window_updated: Any
+
+    def on_headers(self, headers: list[tuple[str, str]]) -> None:
+        raise NotImplementedError
+
+    def on_data(self, data: bytes, flow_controlled_length: int) -> None:
+        raise NotImplementedError
+
+    def on_trailers(self, headers: list[tuple[str, str]]) -> None:
+        raise NotImplementedError
+
+    def on_end(self) -> None:
+        raise NotImplementedError
+
+    def on_reset(self, reason: str) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """After the reads of one loop iteration: hand over what they brought (one post per stream)."""
+        raise NotImplementedError
+
+    def after_round(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the loop once trio has taken in what this stream handed over so far."""
+        raise NotImplementedError
+
+    def take_data_frame(self, length: int) -> bool:
+        """Whether a plain DATA frame (no flags) of ``length`` bytes for this stream may skip h2; if so, its flow
+        control is accounted here and now, as h2 would, and its payload goes to :meth:`on_data` next."""
+        raise NotImplementedError
+
+    def __terminated__(self, reason: str) -> None:
+        raise NotImplementedError
+
+
 class _ReleaseHook(asyncio.Event):
     """Stands in for a draining connection's ``stream_close_waiter``: grpclib sets it whenever a stream is released,
     which is the moment to see whether the connection has nothing left to deliver."""
@@ -446,6 +496,48 @@ class GracefulProcessor(EventsProcessor):
         if not self.streams and not self.connection.is_closing():
             self.close("closed after the engine's GOAWAY, every stream ended")
 
+    # Direct streams (``DirectSink``) get their events as they are; grpclib's own streams go the usual way.
+
+    def process_response_received(self, event: Any) -> None:
+        stream: Any = self.streams.get(event.stream_id)
+        if isinstance(stream, DirectSink):
+            stream.on_headers(event.headers)
+        else:
+            super().process_response_received(event)
+
+    def process_data_received(self, event: DataReceived) -> None:
+        stream: Any = self.streams.get(event.stream_id)
+        if isinstance(stream, DirectSink):
+            stream.on_data(event.data, event.flow_controlled_length)
+        else:
+            super().process_data_received(event)
+
+    def process_trailers_received(self, event: Any) -> None:
+        stream: Any = self.streams.get(event.stream_id)
+        if isinstance(stream, DirectSink):
+            stream.on_trailers(event.headers)
+        else:
+            super().process_trailers_received(event)
+
+    def process_stream_ended(self, event: Any) -> None:
+        stream: Any = self.streams.get(event.stream_id)
+        if isinstance(stream, DirectSink):
+            self.connection.streams_succeeded += 1
+            stream.on_end()
+        else:
+            super().process_stream_ended(event)
+
+    def process_stream_reset(self, event: Any) -> None:
+        stream: Any = self.streams.get(event.stream_id)
+        if isinstance(stream, DirectSink):
+            self.connection.streams_failed += 1
+            if event.remote_reset:
+                stream.on_reset(f"Stream reset by remote party, error_code: {event.error_code}")  # grpclib's words
+            else:
+                stream.on_reset("Protocol error")
+        else:
+            super().process_stream_reset(event)
+
 
 class GracefulProtocol(H2Protocol):
     """grpclib's HTTP/2 protocol with :class:`GracefulProcessor`, h2 kept open after a GOAWAY, and reasons."""
@@ -456,6 +548,11 @@ class GracefulProtocol(H2Protocol):
         super().__init__(handler, config, h2_config)
         self._channel = channel
         self._received = False
+        #: Direct streams that got data during the current ``data_received`` (each flushes once at its end).
+        self.dirty: list[DirectSink] = []
+        self._rx = b""  # the start of a frame whose end has not arrived yet
+        self._flush_due = False  # _flush_dirty is scheduled for the end of this loop iteration
+        self._awaiting_trio = False  # the last hand-over is not in trio's hands yet (see _flush_dirty)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -472,7 +569,88 @@ class GracefulProtocol(H2Protocol):
                 _warn(reason)
                 self.processor.close(reason)
                 return
-        super().data_received(data)
+        # grpclib's H2Protocol.data_received, with two changes for direct streams. (1) A plain DATA frame (no
+        # END_STREAM, no padding) of a direct stream skips h2 when h2 would only have accounted its flow control and
+        # handed its payload on (DirectSink.take_data_frame checks that and does the accounting): h2's per-frame
+        # work was the largest cost per engine message left. Every other frame goes to h2 in order, in runs of
+        # complete frames (a partial frame waits here, so h2's buffer never holds one). (2) What the reads of one
+        # loop iteration brought for a direct stream is handed over once, after them (call_soon runs after every
+        # read of the iteration): under load a stream's messages arrive in several reads, and one batch for them
+        # means one wakeup of its request task and one chunk for Dynamo instead of one per read.
+        if self._rx:
+            data = self._rx + data
+            self._rx = b""
+        streams: dict[int, Any] = self.processor.streams  # grpclib's streams and DirectSinks
+        size = len(data)
+        position = slow = 0
+        max_frame = self.connection._connection.max_inbound_frame_size
+        try:
+            while size - position >= 9:
+                high, low, kind, flags, stream_id = _FRAME_HEADER.unpack_from(data, position)
+                length = high << 8 | low
+                if length > max_frame:
+                    break  # h2 refuses it (FRAME_SIZE_ERROR): hand it over at once rather than buffer it
+                end = position + 9 + length
+                if end > size:
+                    break
+                if kind == _DATA_FRAME and flags == 0 and isinstance(streams.get(stream_id), DirectSink):
+                    if slow < position:
+                        if not self._receive(data[slow:position]):
+                            return
+                        slow = position
+                    stream = streams.get(stream_id)
+                    if isinstance(stream, DirectSink) and stream.take_data_frame(length):
+                        stream.on_data(data[position + 9 : end], length)
+                        slow = end
+                position = end
+            else:
+                length = 0
+            if length > max_frame:
+                position = size
+            if slow < position:
+                self._receive(data[slow:position])
+            if position < size:
+                self._rx = data[position:]
+        finally:
+            if self.dirty and not self._flush_due and not self._awaiting_trio:
+                self._flush_due = True
+                asyncio.get_running_loop().call_soon(self._flush_dirty)
+            if not self.connection.is_closing():
+                self.connection.flush()
+
+    def _flush_dirty(self) -> None:
+        self._flush_due = False
+        dirty, self.dirty = self.dirty, []
+        for sink in dirty:
+            sink.flush()
+        if not self.connection.is_closing():
+            self.connection.flush()  # the WINDOW_UPDATEs of what was acknowledged
+        if dirty:
+            # The next hand-over waits until trio has taken this one in (its next round). Idle, that is at once;
+            # busy, the reads in between add up, per stream, to one bigger batch: one wakeup of the request task and
+            # one chunk for Dynamo (whose cost is per chunk) for several engine messages, with no timer.
+            self._awaiting_trio = True
+            dirty[-1].after_round(self._trio_caught_up)
+
+    def _trio_caught_up(self) -> None:
+        self._awaiting_trio = False
+        if self.dirty and not self._flush_due:
+            self._flush_dirty()
+
+    def _receive(self, frames: bytes) -> bool:
+        """Complete frames through h2 and the processor; False once the connection is closed."""
+        connection = self.connection
+        try:
+            events = connection.feed(frames)
+        except ProtocolError:
+            log.debug("Protocol error", exc_info=True)
+            self.processor.close("Protocol error")
+            return False
+        connection.flush()
+        process = self.processor.process
+        for event in events:
+            process(event)
+        return not connection.is_closing()
 
     @staticmethod
     def _receive_goaway(frame: GoAwayFrame) -> tuple[list[Any], list[Any]]:
