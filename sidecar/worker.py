@@ -20,7 +20,7 @@ import random
 import signal
 from collections.abc import Awaitable, Mapping, MutableMapping
 from functools import partial
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import trio
 
@@ -33,7 +33,7 @@ from sidecar.errors import EngineGone, EngineRpcError, GrpcCode, WorkerDraining
 from sidecar.kv import EngineIdentity, RoutingPlan, discover_routing, routing_config, run_routing_signals
 from sidecar.lora import LoraManager, LoraSettings, observe_lora
 from sidecar.ops import logs, metrics
-from sidecar.ops.health import SystemPort
+from sidecar.ops.health import LIVE_ROUTE, SystemPort, liveness
 from sidecar.ops.server import serve_live_state
 from sidecar.requests import RequestServer, ServingContext, probe_generation
 from sidecar.startup import (
@@ -276,10 +276,19 @@ class Worker:
         return 0 if quiescent else 1
 
     async def _adopt_system_port(self, dynamo: DynamoWorker) -> None:
-        """Dynamo's system server runs behind ours: relay to it; its own /health follows our state too."""
+        """Dynamo's system server runs behind ours: relay to it; its own /health follows our state too, and its
+        /engine/live answers like ours (the only liveness with the state when ``DYN_SYSTEM_PORT=0`` leaves the
+        sidecar no port of its own)."""
+        life = self.lifecycle
+
+        async def live(body: dict[str, Any]) -> dict[str, Any]:
+            del body
+            return liveness(life)
+
         self._set_ready = dynamo.set_health
         # Also covers DYN_SYSTEM_STARTING_HEALTH_STATUS=ready: nothing is ready before `serving`.
-        dynamo.set_health(self.lifecycle.state == "serving")
+        dynamo.set_health(life.state == "serving")
+        await dynamo.add_system_route(LIVE_ROUTE, live)
         if self._system_port is not None:
             self._system_port.forward_to_dynamo()
 

@@ -13,6 +13,7 @@ A real ``openengine-sidecar`` against ``openengine-mock``, nothing set but the s
 
 from __future__ import annotations
 
+import re
 import signal
 from typing import Any
 
@@ -86,7 +87,12 @@ async def test_health_is_503_while_connecting_and_reconnecting_and_200_while_ser
                         code, live = await get(f"{base}{path}")
                         assert (code, live["state"], live["ready"]) == (200, "serving", True), path
                     code, text = await get(f"{base}/metrics")
-                    assert "dynamo_component_requests_total" in text  # Dynamo's runtime has the port now
+                    assert "dynamo_component_requests_total" in text  # relayed to Dynamo's own server
+                    # Dynamo's own port answers /engine/live with the state too (all there is with DYN_SYSTEM_PORT=0).
+                    inner = re.search(r"relayed to Dynamo's system server on (\S+):(\d+)", worker.process.log())
+                    assert inner is not None
+                    code, live = await get(f"http://{inner[1]}:{inner[2]}/engine/live")
+                    assert (code, live["state"]) == (200, "serving")
                     assert "openengine_sidecar_worker_state" in text
 
                     # Kill the engine: 503 within the health threshold.
