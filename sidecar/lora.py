@@ -42,13 +42,15 @@ if TYPE_CHECKING:
     from sidecar.engine import EngineClient
     from statemachines import LoraEvent, LoraState
 
-__all__ = ["LoraCards", "LoraManager", "LoraSettings", "observe_lora", "resolve_local_adapter"]
+__all__ = ["CONTROLS", "LoraCards", "LoraManager", "LoraSettings", "observe_lora", "resolve_local_adapter"]
 
 log: Final = logging.getLogger("sidecar.lora")
 
 #: Names become model names in ``/v1/models`` and card keys in discovery: printable, no spaces, bounded.
 _NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 _REMOTE_SCHEMES: Final = frozenset({"s3", "hf", "gs", "http", "https"})
+#: The controls a LoRA-capable worker serves (``LoraManager.routes``), known before Dynamo's runtime is created.
+CONTROLS: Final = ("load_lora", "unload_lora", "list_loras")
 _BODY_KEYS: Final = {
     "load_lora": frozenset({"lora_name", "source", "source_path"}),
     "unload_lora": frozenset({"lora_name"}),
@@ -165,7 +167,7 @@ class LoraManager:
         self._closed: str | None = None
 
     def routes(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]]:
-        return {"load_lora": self.load, "unload_lora": self.unload, "list_loras": self.list}
+        return dict(zip(CONTROLS, (self.load, self.unload, self.list), strict=True))
 
     @property
     def adapters(self) -> dict[str, dict[str, Any]]:

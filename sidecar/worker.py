@@ -31,7 +31,7 @@ from sidecar.edge import open_edge
 from sidecar.engine import EngineClientConfig, SchemaIncompatible, open_engine_client, parse_endpoint
 from sidecar.errors import EngineGone, EngineRpcError, GrpcCode, WorkerDraining
 from sidecar.kv import EngineIdentity, RoutingPlan, discover_routing, routing_config, run_routing_signals
-from sidecar.lora import LoraManager, LoraSettings, observe_lora
+from sidecar.lora import CONTROLS, LoraManager, LoraSettings, observe_lora
 from sidecar.ops import logs, metrics
 from sidecar.ops.health import LIVE_ROUTE, SystemPort, liveness
 from sidecar.ops.server import serve_live_state
@@ -238,7 +238,8 @@ class Worker:
             if self._system_port is not None:
                 # Dynamo's runtime binds the port reserved for it when it is created.
                 self._system_port.release_dynamo_port()
-            async with open_dynamo(edge, settings) as dynamo, trio.open_nursery() as request_nursery:
+            controls = CONTROLS if first.caps.supports_lora else ()
+            async with open_dynamo(edge, settings, controls=controls) as dynamo, trio.open_nursery() as request_nursery:
                 self._dynamo = dynamo
                 await self._adopt_system_port(dynamo)
                 await dynamo.export_metrics(metrics.exposition, metrics.typed_families)

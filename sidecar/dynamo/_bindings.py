@@ -8,6 +8,8 @@ Binding facts these wrappers encode (ai-dynamo-runtime 1.6.1):
   column 1" for a bare string); ``runtime_data`` is read-only.
 * ``DistributedRuntime.shutdown()`` only triggers the runtime's cancellation token; deregistration, the wait for
   in-flight requests and teardown follow asynchronously and end with ``serve_endpoint`` returning.
+* ``DistributedRuntime.endpoint(path)`` blocks on the runtime with the GIL held: with etcd and NATS, only before any
+  Python callback is registered (``create_runtime``), or the process deadlocks.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dynamo.runtime import Context, DistributedRuntime, Endpoint
 from sidecar.errors import SidecarError
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable
+    from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 
     from ._types import DynamoSettings, Registration, WorkerRole
 
@@ -88,8 +90,19 @@ def control_plane(settings: DynamoSettings) -> str:
     return ", ".join(parts)
 
 
-async def create_runtime(settings: DynamoSettings) -> tuple[DistributedRuntime, Endpoint, int]:
-    """Create the ``DistributedRuntime`` on the running (edge) loop; returns it, our endpoint and our instance id.
+async def create_runtime(
+    settings: DynamoSettings, controls: Collection[str] = ()
+) -> tuple[DistributedRuntime, Endpoint, int, dict[str, Endpoint]]:
+    """Create the ``DistributedRuntime`` on the running (edge) loop; returns it, our endpoint, our instance id and the
+    endpoints of ``controls`` (names in our namespace and component, served later by ``serve_control_endpoint``).
+
+    Every ``Endpoint`` is built here, before any Python callback is registered with the runtime. Building one
+    (``runtime.endpoint(path)``) blocks the calling thread on the runtime *with the GIL held*; with etcd and NATS the
+    build waits for I/O that only the runtime's worker threads (two on two cores) drive. Once the runtime calls into
+    Python (a request handler, a ``/metrics`` scrape, a finished future), those threads queue for the GIL: a build
+    then deadlocks the whole process (a LoRA worker hung after ``serving ... as instance`` in 1 of 120 start-ups;
+    ``tests/dynamo/test_busy_runtime.py`` shows it in seconds). With file discovery the build needs no I/O
+    (``restore_endpoint`` relies on it).
 
     The constructor connects to etcd and NATS synchronously, retrying with backoff until its startup-connect deadline
     (it blocks the edge loop meanwhile); then it raises a plain ``Exception``, re-raised here as
@@ -106,7 +119,9 @@ async def create_runtime(settings: DynamoSettings) -> tuple[DistributedRuntime, 
             raise ControlPlaneUnreachable(f"control plane unreachable ({control_plane(settings)}): {text}") from None
         raise
     endpoint = runtime.endpoint(settings.endpoint_path)
-    return runtime, endpoint, int(endpoint.connection_id())
+    prefix = f"{settings.namespace}.{settings.component}"
+    built = {name: runtime.endpoint(f"{prefix}.{name}") for name in controls}
+    return runtime, endpoint, int(endpoint.connection_id()), built
 
 
 def _model_type(reg: Registration) -> ModelType:
@@ -200,13 +215,11 @@ async def add_engine_route(
 
 
 async def serve_control_endpoint(
-    runtime: DistributedRuntime,
-    path: str,
-    handler: Callable[[dict[str, Any], Context], AsyncIterator[dict[str, Any]]],
+    endpoint: Endpoint, handler: Callable[[dict[str, Any], Context], AsyncIterator[dict[str, Any]]]
 ) -> None:
-    """Serve a control endpoint (``namespace.component.load_lora`` …) the way Dynamo's Python workers do, until the
-    runtime shuts down."""
-    await runtime.endpoint(path).serve_endpoint(handler, graceful_shutdown=True)
+    """Serve a control endpoint (``namespace.component.load_lora`` …, built by ``create_runtime``) the way Dynamo's
+    Python workers do, until the runtime shuts down."""
+    await endpoint.serve_endpoint(handler, graceful_shutdown=True)
 
 
 async def unregister(endpoint: Endpoint) -> None:
@@ -223,7 +236,10 @@ async def restore(endpoint: Endpoint) -> None:
 
 async def restore_endpoint(runtime: DistributedRuntime, path: str) -> None:
     """Write the discovery instance of our endpoint ``path`` (``ns.component.name``) again: the same entry its
-    ``serve_endpoint`` (or a KV publisher's recovery endpoint) wrote, as the runtime still serves it."""
+    ``serve_endpoint`` (or a KV publisher's recovery endpoint) wrote, as the runtime still serves it.
+
+    File discovery only: it builds an ``Endpoint`` while the runtime serves, which deadlocks with etcd and NATS (see
+    ``create_runtime``) and needs no I/O with files."""
     await runtime.endpoint(path).register_endpoint_instance()
 
 

@@ -28,7 +28,7 @@ from ._entries import (
 from ._handler import make_handler
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+    from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 
     from sidecar.edge import Edge
 
@@ -132,12 +132,20 @@ class DynamoWorker:
     """
 
     def __init__(
-        self, edge: Edge, settings: DynamoSettings, runtime: b.DistributedRuntime, endpoint: b.Endpoint, iid: int
+        self,
+        edge: Edge,
+        settings: DynamoSettings,
+        runtime: b.DistributedRuntime,
+        endpoint: b.Endpoint,
+        iid: int,
+        controls: Mapping[str, b.Endpoint] | None = None,
     ):
         self._edge: Final = edge
         self._settings: Final = settings
         self._runtime: Final = runtime
         self._endpoint: Final = endpoint
+        # Built with the runtime (``open_dynamo(controls=...)``): building one later can deadlock (b.create_runtime).
+        self._controls: Final[Mapping[str, b.Endpoint]] = dict(controls or {})
         self._instance_id: Final = iid
         self._registration: Registration | None = None
         self._withdrawn = False
@@ -208,9 +216,13 @@ class DynamoWorker:
         as ``POST /engine/<name>`` on the system port (``DYN_SYSTEM_PORT``) for operators with curl.
 
         Each call runs as a trio task in ``nursery``; an exception escaping ``route`` is answered as
-        ``{"status": "error", "message": …}`` rather than dropped, so a caller always gets an answer.
+        ``{"status": "error", "message": …}`` rather than dropped, so a caller always gets an answer. Every name must
+        have been given to :func:`open_dynamo` (``controls``); :class:`ValueError` names the ones that were not.
         """
         edge = self._edge
+        unprepared = sorted(set(routes) - set(self._controls))
+        if unprepared:
+            raise ValueError(f"control endpoints {unprepared} were not given to open_dynamo(controls=...)")
 
         def bridged(route: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> _Control:
             async def call(body: dict[str, Any]) -> dict[str, Any]:
@@ -225,21 +237,20 @@ class DynamoWorker:
         for name, route in routes.items():
             call = bridged(route)
             await edge.run(b.add_engine_route, self._runtime, name, call)
-            path = f"{self._settings.namespace}.{self._settings.component}.{name}"
-            nursery.start_soon(self._serve_control, path, call)
+            nursery.start_soon(self._serve_control, name, call)
             nursery.start_soon(self.track_endpoint, name)
 
-    async def _serve_control(self, path: str, call: _Control) -> None:
+    async def _serve_control(self, name: str, call: _Control) -> None:
         # Dynamo passes the request context only to a parameter *named* ``context``; any other name gets a TypeError.
         async def handler(request: dict[str, Any], context: b.Context) -> AsyncIterator[dict[str, Any]]:
             del context
             yield await call(request if isinstance(request, dict) else {})
 
         try:
-            await self._edge.run(b.serve_control_endpoint, self._runtime, path, handler)
+            await self._edge.run(b.serve_control_endpoint, self._controls[name], handler)
         except Exception as exc:
             # A control endpoint is a convenience next to the system port's route: its loss must not end the worker.
-            logger.warning("dynamo: control endpoint %s stopped: %s", path, exc)
+            logger.warning("dynamo: control endpoint %s stopped: %s", name, exc)
 
     async def unregister(self) -> None:
         """Remove the model cards (LoRA cards first) and withdraw the instance: the models leave the frontend (404)
@@ -350,7 +361,11 @@ class DynamoWorker:
             assert self._registration is not None
             await self._edge.run(b.register, self._endpoint, self._registration, entry.lora)
         elif entry.endpoint is not None:
-            await self._edge.run(b.restore_endpoint, self._runtime, entry.endpoint)
+            control = self._controls.get(entry.endpoint.rsplit(".", 1)[-1])
+            if control is not None:
+                await self._edge.run(b.restore, control)
+            else:  # the KV recovery endpoint, built by its publisher; tracked (so restored) with file discovery only
+                await self._edge.run(b.restore_endpoint, self._runtime, entry.endpoint)
         else:
             assert entry.data is not None
             await trio.to_thread.run_sync(write_back, entry.path, entry.data)
@@ -631,10 +646,16 @@ class DynamoWorker:
 
 
 @asynccontextmanager
-async def open_dynamo(edge: Edge, settings: DynamoSettings) -> AsyncIterator[DynamoWorker]:
-    """Create the ``DistributedRuntime`` on the edge loop; shut it down on exit (bounded by :data:`CLOSE_TIMEOUT`)."""
-    runtime, endpoint, iid = await edge.run(b.create_runtime, settings)
-    worker = DynamoWorker(edge, settings, runtime, endpoint, iid)
+async def open_dynamo(
+    edge: Edge, settings: DynamoSettings, *, controls: Collection[str] = ()
+) -> AsyncIterator[DynamoWorker]:
+    """Create the ``DistributedRuntime`` on the edge loop; shut it down on exit (bounded by :data:`CLOSE_TIMEOUT`).
+
+    ``controls``: the names :meth:`DynamoWorker.serve_controls` will serve; their endpoints are built now, with the
+    runtime, because building one once the runtime calls into Python can deadlock (``b.create_runtime``).
+    """
+    runtime, endpoint, iid, built = await edge.run(b.create_runtime, settings, tuple(controls))
+    worker = DynamoWorker(edge, settings, runtime, endpoint, iid, built)
     try:
         yield worker
     finally:
