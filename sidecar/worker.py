@@ -33,7 +33,7 @@ from sidecar.errors import EngineGone, EngineRpcError, GrpcCode, WorkerDraining
 from sidecar.kv import EngineIdentity, RoutingPlan, discover_routing, routing_config, run_routing_signals
 from sidecar.lora import CONTROLS, LoraManager, LoraSettings, observe_lora
 from sidecar.ops import logs, metrics
-from sidecar.ops.health import LIVE_ROUTE, StartupPort, liveness
+from sidecar.ops.health import LIVE_ROUTE, SystemPort, liveness
 from sidecar.ops.server import serve_live_state
 from sidecar.requests import RequestServer, ServingContext, probe_generation
 from sidecar.startup import (
@@ -134,9 +134,9 @@ class Worker:
         self._dynamo: DynamoWorker | None = None
         self.requests.on_stall = self._engine_stalled
         self._engine_detokenize: bool | None = None  # the last decision logged
-        # The system port before Dynamo's runtime exists (None without DYN_SYSTEM_PORT), and afterwards the runtime's
-        # readiness switch, set on every transition (see sidecar.ops.health).
-        self._startup_port: StartupPort | None = None
+        # The system port, ours for the whole life (None without DYN_SYSTEM_PORT), and Dynamo's readiness switch,
+        # set on every transition so its own port behind ours agrees (see sidecar.ops.health).
+        self._system_port: SystemPort | None = None
         self._set_ready: Callable[[bool], None] | None = None
         # Set while the registration watchdog keeps the worker out of serving (an entry it cannot restore).
         self._registration_lost = False
@@ -169,8 +169,13 @@ class Worker:
                         await top.start(serve_live_state, self.lifecycle, config.ops_host, config.ops_port)
                     if port := system_port(os.environ):
                         host = os.environ.get("DYN_SYSTEM_HOST") or LOOPBACK_DEFAULTS["DYN_SYSTEM_HOST"]
-                        self._startup_port = StartupPort(self.lifecycle, host, port)
-                        await top.start(self._startup_port.run)
+                        # A LoRA load answers once the adapter is fetched and loaded: the relay waits that long.
+                        control_s = config.lora_fetch_timeout_s + config.lora_load_timeout_s + 30.0
+                        self._system_port = SystemPort(self.lifecycle, host, port, control_timeout_s=control_s)
+                        await top.start(self._system_port.run)
+                        # Dynamo's runtime binds its own system server behind ours; set now, while no runtime thread
+                        # reads the environment.
+                        os.environ.update(self._system_port.dynamo_environment())
                 except* OSError as group:
                     error = _first_leaf(group)
                     refused = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
@@ -230,9 +235,9 @@ class Worker:
             metrics.set_dynamo_labels(
                 settings.namespace, settings.component, settings.endpoint, registration.served_model_name
             )
-            if self._startup_port is not None:
-                # Dynamo's runtime binds the system port when it is created: ours must be closed by then.
-                await self._startup_port.release()
+            if self._system_port is not None:
+                # Dynamo's runtime binds the port reserved for it when it is created.
+                self._system_port.release_dynamo_port()
             controls = CONTROLS if first.caps.supports_lora else ()
             async with open_dynamo(edge, settings, controls=controls) as dynamo, trio.open_nursery() as request_nursery:
                 self._dynamo = dynamo
@@ -264,13 +269,17 @@ class Worker:
                     quiescent = await self._drain(dynamo, client)
                     request_nursery.cancel_scope.cancel(reason="worker drained")
             self._set_ready = None
+            if self._system_port is not None:
+                self._system_port.answer_alone()
             if self._fatal.is_set():
                 return 1
             life.fire("drained", reason=None if quiescent else "engine quiescence not confirmed")
         return 0 if quiescent else 1
 
     async def _adopt_system_port(self, dynamo: DynamoWorker) -> None:
-        """The runtime serves the system port now: its /health follows our state, /engine/live answers liveness."""
+        """Dynamo's system server runs behind ours: relay to it; its own /health follows our state too, and its
+        /engine/live answers like ours (the only liveness with the state when ``DYN_SYSTEM_PORT=0`` leaves the
+        sidecar no port of its own)."""
         life = self.lifecycle
 
         async def live(body: dict[str, Any]) -> dict[str, Any]:
@@ -281,6 +290,8 @@ class Worker:
         # Also covers DYN_SYSTEM_STARTING_HEALTH_STATUS=ready: nothing is ready before `serving`.
         dynamo.set_health(life.state == "serving")
         await dynamo.add_system_route(LIVE_ROUTE, live)
+        if self._system_port is not None:
+            self._system_port.forward_to_dynamo()
 
     def _registration(self, discovery: Discovery) -> Registration:
         """The model card: ``registration_for``, in KV-routing mode when the routing plan says events flow."""

@@ -1,49 +1,60 @@
-"""Readiness and liveness of the worker, and the system port while Dynamo's runtime does not exist yet.
+"""Readiness and liveness of the worker, on the system port for the worker's whole life.
 
-The system port (``DYN_SYSTEM_HOST``:``DYN_SYSTEM_PORT``) is Dynamo's: its runtime serves ``/health``, ``/live``,
-``/metrics`` and ``/engine/<route>`` there, and advertises it (self-hosted model cards, Kubernetes metadata). That
-runtime is created only once the engine has been connected, discovered and found READY -- minutes, or up to the
-start-up deadline while it retries a bad certificate. Until then the sidecar serves the port itself
-(:class:`StartupPort`), so probes and scrapes see the truth from the first second:
+The system port (``DYN_SYSTEM_HOST``:``DYN_SYSTEM_PORT``) is the sidecar's from the first second to the last
+(:class:`SystemPort`). It answers readiness and liveness itself, with the worker's state and why:
 
-    GET /health        503 {"status": "notready", "state": "connecting", "reason": "127.0.0.1:50051"}
-    GET /live          200 {"status": "live", "state": ..., "reason": ..., "ready": false}
-    GET /engine/live   the same as /live (the path that keeps answering after the hand-over, see below)
-    GET /metrics       the sidecar's families (``sidecar.ops.metrics.exposition``)
+    GET /health        200 {"status": "ready", "state": "serving", "reason": ...} exactly while the worker is serving;
+                       503 {"status": "notready", "state": "reconnecting", "reason": "...", "detail": "..."} otherwise
+    GET /live          200 {"status": "live", "state": ..., "reason": ..., "ready": false} while the process answers
+    GET /engine/live   the same as /live (the path the manifests used while Dynamo answered /live, kept)
 
-Right before the runtime is created the sidecar closes its listener (:meth:`StartupPort.release`) and Dynamo binds
-the port. From then on:
+Everything else is Dynamo's. Its runtime serves ``/metrics`` (its ``dynamo_component_*`` families and ours),
+``/engine/<control>`` (the LoRA controls), the self-hosted model-card files and whatever else it has on a second
+port: the sidecar picks a free one on the same host below 32768 (Dynamo 1.6.1 reads ``DYN_SYSTEM_PORT`` as a signed
+16-bit number), holds it until right before the runtime is created, and hands it over through ``DYN_SYSTEM_PORT``.
+Once the runtime exists the sidecar relays every other request there (``sidecar.ops.forward``: method, path, query,
+headers, body; the answer streamed back; 502/504 in one line when Dynamo's server does not answer). Before the
+runtime exists (the engine is being connected, discovered, awaited -- minutes while weights load, or up to the
+start-up deadline while the worker retries a bad certificate) and after it has shut down, ``/metrics`` is the
+sidecar's families alone and other paths are 503 with the state.
 
-* ``/health`` is Dynamo's, driven by the worker: 200 exactly while the worker is ``serving``, 503 in every other state
-  (``DistributedRuntime.set_health_status``, pushed on every worker transition). Dynamo 1.6.1's body has no room for
-  the state and reason (``{"status": "notready", "uptime": ..., "endpoints": ...}``); ``/engine/live`` has them.
-* ``/live`` is Dynamo's too, and Dynamo 1.6.1 answers it exactly like ``/health`` (one handler for both paths): a
-  liveness probe on it would restart a worker that is only waiting for its engine. ``/engine/live`` (our route,
-  :func:`liveness`) answers 200 while the process answers at all, with the state and reason: use it for liveness and
-  start-up probes.
+Why not Dynamo's own ``/health`` and ``/live``: Dynamo 1.6.1's body has no room for the state and reason
+(``{"status": "notready", "uptime": ..., "endpoints": ...}``), it answers ``/live`` exactly like ``/health`` (one
+handler for both paths: a liveness probe there restarts a worker that is only waiting for its engine), and
+``DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS`` or a canary makes it ignore the worker's state. The worker still pushes its
+readiness to Dynamo (``DistributedRuntime.set_health_status``) so Dynamo's own port tells the same story.
+
+What Dynamo advertises: the self-hosted model-card URLs (``http://<host>:<port>/v1/metadata/...``, fetched by the
+frontends when they add the model) carry the port Dynamo bound, the second one. It is on the same host as the system
+port (loopback when that is loopback), so wherever the frontends reached the system port they reach it too; the
+manifests set no NetworkPolicy. Kubernetes discovery keeps its metadata in ``DynamoWorkerMetadata`` resources and
+pod readiness (our ``/health``), not behind the port.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
-from functools import partial
+import random
+import socket
 from typing import TYPE_CHECKING, Any, Final
 
 import trio
 
 from . import metrics
+from .forward import forward
 from .logs import latest_line
 from .server import HEAD_TIMEOUT_S, read_request, respond
 
 if TYPE_CHECKING:
     from statemachines import WorkerLifecycle
 
-__all__ = ["LIVE_ROUTE", "StartupPort", "liveness", "readiness"]
+__all__ = ["LIVE_ROUTE", "SystemPort", "liveness", "readiness"]
 
 log: Final = logging.getLogger("sidecar.ops")
 
-#: The route (``/engine/<name>`` on the system port) that answers liveness in every phase.
+#: ``/engine/<name>`` answered by the sidecar like ``/live``, in every phase.
 LIVE_ROUTE: Final = "live"
 
 
@@ -69,78 +80,140 @@ def liveness(worker: WorkerLifecycle) -> dict[str, Any]:
     return {"status": "live", **_state(worker), "ready": worker.state == "serving"}
 
 
-class StartupPort:
-    """The system port, served by the sidecar until :meth:`release` hands it to Dynamo's runtime.
+class SystemPort:
+    """The system port, served by the sidecar for the worker's whole life; Dynamo's server sits behind it.
 
-    Use: ``await nursery.start(port.run)`` (raises :class:`OSError` with one line when the port cannot be bound),
-    later ``await port.release()`` (returns once the listener is closed; idempotent, also before ``run``).
+    Use: ``await nursery.start(port.run)`` (binds the port and reserves Dynamo's; :class:`OSError` with one line when
+    either cannot be had), put :meth:`dynamo_environment` into ``os.environ`` before Dynamo's runtime is created,
+    :meth:`release_dynamo_port` right before creating it, :meth:`forward_to_dynamo` once it exists and
+    :meth:`answer_alone` once it has shut down.
     """
 
-    def __init__(self, worker: WorkerLifecycle, host: str, port: int) -> None:
+    def __init__(self, worker: WorkerLifecycle, host: str, port: int, *, control_timeout_s: float = 60.0) -> None:
         self._worker: Final = worker
         self.host: Final = host
         self.port: Final = port
-        self._scope: Final = trio.CancelScope()
-        self._released: Final = trio.Event()
-        self._running = False
+        #: How long an ``/engine/<control>`` may take to answer (a LoRA load fetches and loads the adapter).
+        self.control_timeout_s: Final = control_timeout_s
+        self.dynamo_port = 0
+        self._reservation: socket.socket | None = None
+        self._forwarding = False
 
     async def run(self, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
-        self._running = True
         try:
-            with self._scope:
-                try:
-                    listeners = await trio.open_tcp_listeners(self.port, host=self.host)
-                except OSError as exc:
-                    reason = exc.strerror or str(exc)
-                    raise OSError(exc.errno, f"DYN_SYSTEM_PORT {self.port} on {self.host}: {reason}") from None
-                bound = listeners[0].socket.getsockname()
-                task_status.started((str(bound[0]), int(bound[1])))
-                log.info(
-                    "system port %s:%s: /health, /live and /metrics served by the sidecar until Dynamo's runtime "
-                    "starts",
-                    self.host,
-                    bound[1],
-                )
-                # serve_listeners closes the listeners when cancelled: the port is free once this scope has exited.
-                await trio.serve_listeners(partial(_handle, self._worker), listeners)
+            listeners = await trio.open_tcp_listeners(self.port, host=self.host)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise OSError(exc.errno, f"DYN_SYSTEM_PORT {self.port} on {self.host}: {reason}") from None
+        try:
+            self._reservation = _reserve_port(self.host)
+            self.dynamo_port = int(self._reservation.getsockname()[1])
+            bound = listeners[0].socket.getsockname()
+            log.info(
+                "system port %s:%s: /health and /live answered by the sidecar, everything else relayed to Dynamo's "
+                "system server on %s:%s once its runtime runs",
+                self.host,
+                bound[1],
+                self.host,
+                self.dynamo_port,
+            )
+            task_status.started((str(bound[0]), int(bound[1])))
+            await trio.serve_listeners(self._handle, listeners)
         finally:
-            self._released.set()
+            self.release_dynamo_port()
+            for listener in listeners:
+                await trio.aclose_forcefully(listener)
 
-    async def release(self) -> None:
-        """Close the listener (connections in progress are cut) and return once the port is free."""
-        self._scope.cancel(reason="handing the system port to Dynamo's runtime")
-        if self._running:
-            with trio.CancelScope(shield=True):
-                await self._released.wait()
+    def dynamo_environment(self) -> dict[str, str]:
+        """What Dynamo's runtime reads to bind its own system server on the port reserved for it."""
+        return {"DYN_SYSTEM_HOST": self.host, "DYN_SYSTEM_PORT": str(self.dynamo_port)}
 
+    def release_dynamo_port(self) -> None:
+        """Free the reserved port for Dynamo's runtime, which binds it when it is created (idempotent)."""
+        if self._reservation is not None:
+            self._reservation.close()
+            self._reservation = None
 
-async def _handle(worker: WorkerLifecycle, stream: trio.SocketStream) -> None:
-    try:
-        with trio.move_on_after(HEAD_TIMEOUT_S):
-            received = await read_request(stream)
+    def forward_to_dynamo(self) -> None:
+        """Dynamo's server listens: relay everything but readiness and liveness to it."""
+        self._forwarding = True
+
+    def answer_alone(self) -> None:
+        """Dynamo's server is gone (or not there yet): answer ``/metrics`` with the sidecar's families, 503 the rest."""
+        self._forwarding = False
+
+    @property
+    def _upstream(self) -> tuple[str, int]:
+        # A wildcard bind listens on loopback too; connecting to the wildcard address itself is not portable.
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        return host, self.dynamo_port
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        try:
+            received = None
+            with trio.move_on_after(HEAD_TIMEOUT_S):
+                received = await read_request(stream)
             if received is None:
                 return
             conn, request, _ = received
             path = request.target.decode("latin-1").split("?", 1)[0]
-            status, content_type, body = _answer(worker, request.method, path)
-            await respond(stream, conn, status, content_type, body)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
-    finally:
-        await trio.aclose_forcefully(stream)
+            if path in _OWN_PATHS:
+                status, content_type, body = self._own(request.method, path)
+                await respond(stream, conn, status, content_type, body, *_allow(status))
+            elif self._forwarding:
+                timeout = self.control_timeout_s if path.startswith("/engine/") else _ANSWER_TIMEOUT_S
+                await forward(stream, conn, request, self._upstream, answer_timeout_s=timeout)
+            else:
+                status, content_type, body = self._without_dynamo(request.method, path)
+                await respond(stream, conn, status, content_type, body, *_allow(status))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    def _own(self, method: bytes, path: str) -> tuple[int, str, bytes]:
+        if method != b"GET":
+            return 405, "text/plain", f"{path}: GET only\n".encode()
+        if path == "/health":
+            status, body = readiness(self._worker)
+            return status, "application/json", json.dumps(body).encode()
+        return 200, "application/json", json.dumps(liveness(self._worker)).encode()
+
+    def _without_dynamo(self, method: bytes, path: str) -> tuple[int, str, bytes]:
+        if path == "/metrics" and method == b"GET":
+            return 200, "text/plain; version=0.0.4; charset=utf-8", metrics.exposition().encode()
+        # Dynamo's routes (/engine/<control>, /v1/metadata/..., its own families on /metrics) exist while its runtime
+        # does.
+        _, body = readiness(self._worker)
+        body["message"] = f"{path} is served while the worker's Dynamo runtime runs"
+        return 503, "application/json", json.dumps(body).encode()
 
 
-def _answer(worker: WorkerLifecycle, method: bytes, path: str) -> tuple[int, str, bytes]:
-    if method != b"GET":
-        return 405, "text/plain", b"GET only while the worker starts\n"
-    if path == "/health":
-        status, body = readiness(worker)
-        return status, "application/json", json.dumps(body).encode()
-    if path in ("/live", f"/engine/{LIVE_ROUTE}"):
-        return 200, "application/json", json.dumps(liveness(worker)).encode()
-    if path == "/metrics":
-        return 200, "text/plain; version=0.0.4; charset=utf-8", metrics.exposition().encode()
-    # Dynamo's other routes (/engine/<control>, /metadata, ...) exist once its runtime does.
-    status, body = readiness(worker)
-    body["message"] = f"{path} is served once the worker's Dynamo runtime has started"
-    return 503, "application/json", json.dumps(body).encode()
+#: Answered by the sidecar in every phase; everything else is Dynamo's.
+_OWN_PATHS: Final = frozenset({"/health", "/live", f"/engine/{LIVE_ROUTE}"})
+#: How long Dynamo's server may take to start answering anything but an ``/engine/`` control (``/metrics``, ...).
+_ANSWER_TIMEOUT_S: Final = 30.0
+# Dynamo 1.6.1 reads DYN_SYSTEM_PORT as a signed 16-bit number; below the kernel's default ephemeral range (32768+),
+# where only explicit binds take ports.
+_DYNAMO_PORTS: Final = range(20000, 32768)
+
+
+def _allow(status: int) -> tuple[tuple[str, str], ...]:
+    return (("allow", "GET"),) if status == 405 else ()
+
+
+def _reserve_port(host: str) -> socket.socket:
+    """A socket bound (not listening) to a free port in :data:`_DYNAMO_PORTS` on ``host``: no one else can bind it
+    until it is closed (it does not set SO_REUSEADDR), then Dynamo's runtime does."""
+    family = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.choice(_DYNAMO_PORTS)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            continue
+        return sock
+    raise OSError(errno.EADDRINUSE, f"no free port for Dynamo's system server on {host} in {_DYNAMO_PORTS.start}-32767")

@@ -225,9 +225,9 @@ def test_worker_pods_keep_grpc_on_loopback_and_probe_both_containers(name: str) 
         assert env["DYN_SYSTEM_HOST"] == "0.0.0.0"  # the kubelet probes the pod IP
         (declared,) = main["ports"]
         assert declared["containerPort"] == system_port
-        # Dynamo 1.6.1 answers /live exactly like /health: liveness there would restart a worker that only waits for
-        # its engine. /engine/live answers while the process does (sidecar/ops/health.py).
-        probes = (("startupProbe", "/engine/live"), ("livenessProbe", "/engine/live"), ("readinessProbe", "/health"))
+        # The sidecar answers /live and /health itself, in every phase (sidecar/ops/health.py): /live while the
+        # process answers, /health only while serving.
+        probes = (("startupProbe", "/live"), ("livenessProbe", "/live"), ("readinessProbe", "/health"))
         for probe, path in probes:
             assert main[probe]["httpGet"] == {"path": path, "port": declared["name"]}
 

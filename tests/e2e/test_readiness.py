@@ -13,6 +13,7 @@ A real ``openengine-sidecar`` against ``openengine-mock``, nothing set but the s
 
 from __future__ import annotations
 
+import re
 import signal
 from typing import Any
 
@@ -81,21 +82,30 @@ async def test_health_is_503_while_connecting_and_reconnecting_and_200_while_ser
 
                 async with start_engine(dynamo_env, "--speedup", "0", port=port) as engine:
                     _, body = await wait_status(f"{base}/health", 200, timeout=60)
-                    assert body["status"] == "ready"
-                    code, live = await get(f"{base}/engine/live")
-                    assert (code, live["state"], live["ready"]) == (200, "serving", True)
+                    assert (body["status"], body["state"]) == ("ready", "serving")
+                    for path in ("/live", "/engine/live"):
+                        code, live = await get(f"{base}{path}")
+                        assert (code, live["state"], live["ready"]) == (200, "serving", True), path
                     code, text = await get(f"{base}/metrics")
-                    assert "dynamo_component_requests_total" in text  # Dynamo's runtime has the port now
+                    assert "dynamo_component_requests_total" in text  # relayed to Dynamo's own server
+                    # Dynamo's own port answers /engine/live with the state too (all there is with DYN_SYSTEM_PORT=0).
+                    inner = re.search(r"relayed to Dynamo's system server on (\S+):(\d+)", worker.process.log())
+                    assert inner is not None
+                    code, live = await get(f"http://{inner[1]}:{inner[2]}/engine/live")
+                    assert (code, live["state"]) == (200, "serving")
                     assert "openengine_sidecar_worker_state" in text
 
                     # Kill the engine: 503 within the health threshold.
                     engine.process.proc.kill()
                     took, body = await wait_status(f"{base}/health", 503, timeout=30)
                     assert took <= WITHIN_S, f"/health turned 503 {took:.1f}s after the kill (bound {WITHIN_S}s)"
-                assert body["status"] == "notready"
-                code, live = await get(f"{base}/engine/live")
-                assert (code, live["state"], live["ready"]) == (200, "reconnecting", False)
-                assert live["reason"]
+                # The same port, after Dynamo's runtime was created: still the state and why, on every path.
+                assert (body["status"], body["state"]) == ("notready", "reconnecting")
+                assert body["reason"]
+                for path in ("/live", "/engine/live"):
+                    code, live = await get(f"{base}{path}")
+                    assert (code, live["state"], live["ready"]) == (200, "reconnecting", False), path
+                    assert live["reason"]
 
                 async with start_engine(dynamo_env, "--speedup", "0", port=port, name="engine-restarted"):
                     await wait_status(f"{base}/health", 200, timeout=60)
@@ -117,9 +127,10 @@ async def test_health_is_503_while_degraded_and_while_draining(dynamo_env: Dynam
                 await wait_status(f"{base}/health", 200, timeout=10)
 
                 engine.process.signal(signal.SIGUSR1)  # the mock's Health turns NOT_READY
-                took, _ = await wait_status(f"{base}/health", 503, timeout=30)
+                took, body = await wait_status(f"{base}/health", 503, timeout=30)
                 assert took <= WITHIN_S
-                assert (await get(f"{base}/engine/live"))[1]["state"] == "degraded"
+                assert body["state"] == "degraded"
+                assert (await get(f"{base}/live"))[1]["state"] == "degraded"
                 engine.process.signal(signal.SIGUSR1)
                 await wait_status(f"{base}/health", 200, timeout=30)
                 await wait_routable(frontend.url, workers=1)  # the frontend has seen the instance come back
@@ -137,8 +148,9 @@ async def test_health_is_503_while_degraded_and_while_draining(dynamo_env: Dynam
                             await trio.sleep(0.05)
                     worker.process.signal(signal.SIGTERM)
                     await worker.process.wait_for_log(r"serving -> draining", timeout=10)
-                    code, _ = await get(f"{base}/health")
-                    assert code == 503  # the request runs for seconds more: the runtime is still up, draining
+                    code, body = await get(f"{base}/health")
+                    # The request runs for seconds more: the runtime is still up, draining.
+                    assert (code, body["state"]) == (503, "draining")
                     code, live = await get(f"{base}/engine/live")
                     assert (code, live["state"]) == (200, "draining")
     except BaseException:

@@ -1,13 +1,27 @@
-"""The system port before Dynamo's runtime exists (``sidecar.ops.health``), and one line for a port in use."""
+"""The system port (``sidecar.ops.health.SystemPort``): the sidecar's for the whole life, Dynamo's server behind it.
+
+Rulebook:
+
+* ``/health``, ``/live`` and ``/engine/live`` are answered by the sidecar in every phase, with the state and reason;
+* before Dynamo's runtime runs (and after it stopped) ``/metrics`` is the sidecar's families and every other path is
+  503 with the state;
+* while it runs every other request is relayed to Dynamo's own server (method, query, headers, body; the answer
+  streamed back, chunked stays chunked), and a server that refuses or stays silent is one line, 502 or 504;
+* the port reserved for Dynamo's server is below 32768, held until handed over, then free;
+* a port in use is one line, never a traceback.
+"""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
 from typing import TYPE_CHECKING
 
+import h11
 import httpx
+import pytest
 import trio
 
 from sidecar.ops import health
@@ -24,10 +38,41 @@ async def get(url: str) -> httpx.Response:
         return await http.get(url)
 
 
-async def test_the_startup_port_answers_with_state_and_reason_then_frees_the_port(
-    worker_model: WorkerLifecycle,
-) -> None:
-    port = health.StartupPort(worker_model, "127.0.0.1", 0)
+class FakeDynamo:
+    """Dynamo's system server, as far as the relay can tell: records each request, answers as told."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[bytes, bytes, dict[bytes, bytes], bytes]] = []
+        self.silent = False
+
+    async def serve(self, stream: trio.SocketStream) -> None:
+        conn = h11.Connection(h11.SERVER)
+        request: h11.Request | None = None
+        body = b""
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some(65536))
+            elif isinstance(event, h11.Request):
+                request = event
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                break
+        assert request is not None
+        self.seen.append((request.method, request.target, dict(request.headers), body))
+        if self.silent:
+            await trio.sleep_forever()
+        # No content-length: chunked, the way Dynamo's axum server streams /metrics.
+        await stream.send_all(conn.send(h11.Response(status_code=201, headers=[("x-dynamo", "1")])) or b"")
+        for piece in (b"answer to ", request.target, b" with ", body):
+            await stream.send_all(conn.send(h11.Data(data=piece)) or b"")
+        await stream.send_all(conn.send(h11.EndOfMessage()) or b"")
+        await stream.aclose()
+
+
+async def test_before_dynamo_runs_the_port_answers_with_state_and_reason(worker_model: WorkerLifecycle) -> None:
+    port = health.SystemPort(worker_model, "127.0.0.1", 0)
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
             host, bound = await nursery.start(port.run)
@@ -46,14 +91,101 @@ async def test_the_startup_port_answers_with_state_and_reason_then_frees_the_por
             assert "openengine_sidecar_worker_state{" in response.text
             response = await get(f"{base}/engine/load_lora")  # Dynamo's routes come with its runtime
             assert response.status_code == 503
+            assert response.json()["state"] == "connecting"
             assert "runtime" in response.json()["message"]
+            async with httpx.AsyncClient(timeout=5) as http:
+                response = await http.post(f"{base}/health", json={})
+            assert (response.status_code, response.headers["allow"]) == (405, "GET")
+            nursery.cancel_scope.cancel()
 
-            await port.release()
-            # Free at once: Dynamo's runtime binds it right after (with SO_REUSEADDR, as tokio's listeners do: the
-            # connections the sidecar answered linger in TIME_WAIT).
+
+async def test_while_dynamo_runs_everything_else_is_relayed_to_it(worker_model: WorkerLifecycle) -> None:
+    dynamo = FakeDynamo()
+    port = health.SystemPort(worker_model, "127.0.0.1", 0)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            host, bound = await nursery.start(port.run)
+            base = f"http://{host}:{bound}"
+            dynamo_port = int(port.dynamo_environment()["DYN_SYSTEM_PORT"])
+            port.release_dynamo_port()
+            listeners = await trio.open_tcp_listeners(dynamo_port, host="127.0.0.1")
+            await nursery.start(trio.serve_listeners, dynamo.serve, listeners)
+            port.forward_to_dynamo()
+            for event in ("connect", "connected", "discovered", "ready", "registered"):
+                worker_model.fire(event, reason="engine READY")
+
+            async with httpx.AsyncClient(timeout=5) as http:
+                response = await http.get(f"{base}/metrics?name[]=x", headers={"accept": "text/plain"})
+                assert (response.status_code, response.text) == (201, "answer to /metrics?name[]=x with ")
+                assert response.headers["x-dynamo"] == "1"
+                body = {"lora_name": "a", "source": {"uri": "file:///adapters/a"}}
+                response = await http.post(f"{base}/engine/load_lora", json=body)
+                assert response.status_code == 201
+                method, target, headers, sent = dynamo.seen[-1]
+                assert (method, target) == (b"POST", b"/engine/load_lora")
+                assert json.loads(sent) == body
+                assert headers[b"content-type"] == b"application/json"
+                assert headers[b"connection"] == b"close"  # one request per relayed connection
+                relayed = len(dynamo.seen)
+                # Readiness and liveness stay the sidecar's: Dynamo's server never sees them.
+                for path in ("/health", "/live", "/engine/live"):
+                    response = await http.get(f"{base}{path}")
+                    assert (response.status_code, response.json()["state"]) == (200, "serving"), path
+                worker_model.fire("engine_lost", reason="engine gone")
+                response = await http.get(f"{base}/health")
+                assert response.status_code == 503
+                assert response.json()["state"] == "reconnecting"
+                assert response.json()["reason"] == "engine gone"
+                assert len(dynamo.seen) == relayed
+
+                port.answer_alone()  # Dynamo's runtime has shut down: the sidecar's own answers again
+                response = await http.get(f"{base}/metrics")
+                assert "openengine_sidecar_worker_state{" in response.text
+                assert len(dynamo.seen) == relayed
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_dynamo_server_that_refuses_or_stays_silent_is_one_line(worker_model: WorkerLifecycle) -> None:
+    dynamo = FakeDynamo()
+    dynamo.silent = True
+    port = health.SystemPort(worker_model, "127.0.0.1", 0, control_timeout_s=0.5)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=10) as http:
+            host, bound = await nursery.start(port.run)
+            base = f"http://{host}:{bound}"
+            dynamo_port = int(port.dynamo_environment()["DYN_SYSTEM_PORT"])
+            port.release_dynamo_port()
+            port.forward_to_dynamo()
+            # Nothing listens on Dynamo's port yet.
+            response = await http.get(f"{base}/metrics")
+            assert response.status_code == 502
+            assert response.text.count("\n") == 1
+            assert f"Dynamo's system server (127.0.0.1:{dynamo_port}) is not answering" in response.text
+
+            listeners = await trio.open_tcp_listeners(dynamo_port, host="127.0.0.1")
+            await nursery.start(trio.serve_listeners, dynamo.serve, listeners)
+            response = await http.post(f"{base}/engine/load_lora", json={"lora_name": "a"})
+            assert response.status_code == 504
+            assert response.text == f"Dynamo's system server (127.0.0.1:{dynamo_port}) did not answer within 0.5s\n"
+            nursery.cancel_scope.cancel()
+
+
+async def test_the_port_for_dynamo_is_held_until_handed_over(worker_model: WorkerLifecycle) -> None:
+    port = health.SystemPort(worker_model, "127.0.0.1", 0)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            _, bound = await nursery.start(port.run)
+            environment = port.dynamo_environment()
+            dynamo_port = int(environment["DYN_SYSTEM_PORT"])
+            assert environment["DYN_SYSTEM_HOST"] == "127.0.0.1"
+            assert dynamo_port != bound
+            assert dynamo_port <= 32767  # Dynamo 1.6.1 reads DYN_SYSTEM_PORT as a signed 16-bit number
+            with socket.socket() as sock, pytest.raises(OSError, match="in use"):
+                sock.bind(("127.0.0.1", dynamo_port))
+            port.release_dynamo_port()
+            port.release_dynamo_port()  # idempotent
             with socket.socket() as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind((host, bound))
+                sock.bind(("127.0.0.1", dynamo_port))
                 sock.listen()
             nursery.cancel_scope.cancel()
 
@@ -67,11 +199,6 @@ async def test_health_is_200_only_while_serving(worker_model: WorkerLifecycle) -
     seen.append((worker_model.state, health.readiness(worker_model)[0]))
     assert [state for state, status in seen if status == 200] == ["serving", "serving"]
     assert all(status == 503 for state, status in seen if state != "serving")
-
-
-async def test_release_before_run_returns_at_once(worker_model: WorkerLifecycle) -> None:
-    with trio.fail_after(2):
-        await health.StartupPort(worker_model, "127.0.0.1", 0).release()
 
 
 def _refusal(model_dir: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
