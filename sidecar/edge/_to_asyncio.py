@@ -212,7 +212,40 @@ class BatchStream(_TrioConsumer[T]):
             self._link.to_loop(self._pump.credit)
 
 
-class _Pump(Generic[T]):
+class _IdleWatched:
+    """Loop side, shared by :class:`_Pump` and :class:`Feed`: tell a waiting consumer about silences (``IdleWatch``
+    sweeps them all with one timer)."""
+
+    __slots__ = ("_idle_s", "_link", "_quiet_since", "_sink")
+
+    def __init__(self, link: Link, sink: _TrioConsumer[Any]) -> None:
+        self._link: Final = link
+        self._sink: Final = sink  # the trio side: only the Inbox's callbacks, `taken` and `interrupt` are used
+        # loop: watch_idle's period (0: not watched), and since when nothing was posted or reported (loop.time()).
+        self._idle_s = 0.0
+        self._quiet_since = 0.0
+
+    def _watch(self, seconds: float) -> None:
+        self._idle_s = seconds
+        self._quiet_since = self._link.loop.time()
+        watch = self._link.idle_watch
+        if watch is None:
+            watch = self._link.idle_watch = IdleWatch(self._link)
+        watch.add(self)
+
+    def idle_check(self, now: float) -> None:
+        """Loop (the sweep): tell a waiting consumer once per ``watch_idle`` period of silence."""
+        idle = now - self._quiet_since
+        if idle >= self._idle_s:
+            self._quiet_since = now
+            self._link.to_trio(self._sink.interrupt, StreamIdle(f"nothing arrived for {idle:.3g}s"))
+
+    def _stop_watching(self) -> None:
+        if self._idle_s and self._link.idle_watch is not None:
+            self._link.idle_watch.feeds.discard(self)
+
+
+class _Pump(_IdleWatched, Generic[T]):
     """The asyncio half of a :class:`BatchStream`: iterates ``fn()`` on the edge loop and posts batches to trio.
 
     Batching: the first item of a batch schedules a flush with ``loop.call_soon``, which runs only once the pump
@@ -225,8 +258,8 @@ class _Pump(Generic[T]):
     asks to be woken (``wants_credit``), so a consumer that keeps up sends nothing back across the threads.
     """
 
-    __slots__ = ("_args", "_batch", "_closing", "_credit", "_fn", "_high_water", "_idle_s", "_link", "_max_batch",
-                 "_posted", "_quiet_since", "_sink", "_task", "stop", "wants_credit")  # fmt: skip
+    __slots__ = ("_args", "_batch", "_closing", "_credit", "_fn", "_high_water", "_max_batch", "_posted", "_task",
+                 "stop", "wants_credit")  # fmt: skip
 
     def __init__(
         self,
@@ -236,8 +269,7 @@ class _Pump(Generic[T]):
         args: tuple[object, ...],
         high_water: int,
     ) -> None:
-        self._link: Final = link
-        self._sink: Final = sink
+        super().__init__(link, sink)
         # fn and its arguments rather than a closure over them: one object less per stream.
         self._fn: Final = fn
         self._args: Final = args
@@ -254,27 +286,11 @@ class _Pump(Generic[T]):
         self._closing = False
         # Written by the pump, read by trio: the pump waits for the consumer to take items.
         self.wants_credit = False
-        # loop: watch_idle's period, and since when nothing was posted or reported (loop.time()).
-        self._idle_s = 0.0
-        self._quiet_since = 0.0
 
     def watch_idle(self, seconds: float) -> None:
         """Loop callback: report silences of ``seconds`` to a waiting consumer (see ``IdleWatch``)."""
-        if self._closing or seconds <= 0:
-            return
-        self._idle_s = seconds
-        self._quiet_since = self._link.loop.time()
-        watch = self._link.idle_watch
-        if watch is None:
-            watch = self._link.idle_watch = IdleWatch(self._link)
-        watch.add(self)
-
-    def idle_check(self, now: float) -> None:
-        """Loop (the sweep): tell a waiting consumer once per ``watch_idle`` period of silence."""
-        idle = now - self._quiet_since
-        if idle >= self._idle_s:
-            self._quiet_since = now
-            self._link.to_trio(self._sink.interrupt, StreamIdle(f"nothing arrived for {idle:.3g}s"))
+        if not self._closing and seconds > 0:
+            self._watch(seconds)
 
     def start(self) -> None:
         """Loop callback: start pumping, unless trio already left."""
@@ -343,8 +359,7 @@ class _Pump(Generic[T]):
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         # A done callback rather than a finally: a task cancelled before its first step never runs its body.
-        if self._idle_s and self._link.idle_watch is not None:
-            self._link.idle_watch.feeds.discard(self)
+        self._stop_watching()
         if self.stop:
             if not task.cancelled() and (error := task.exception()) is not None:
                 logger.debug("edge: asyncio stream failed after the trio side left", exc_info=error)
@@ -396,7 +411,7 @@ class FeedStream(_TrioConsumer[T]):
             self._link.to_loop(self._feed._credit)
 
 
-class Feed(Generic[T]):
+class Feed(_IdleWatched, Generic[T]):
     """The loop side of a :class:`FeedStream`: what its producer calls, on the loop thread only.
 
     ``start(feed, *args)`` is called on the loop when trio enters the stream; it sets :attr:`on_cancel` and arranges
@@ -408,23 +423,19 @@ class Feed(Generic[T]):
     taken items (only a holding producer is posted to: a consumer that keeps up sends nothing back).
     """
 
-    __slots__ = ("_args", "_done", "_high_water", "_idle_s", "_link", "_on_room", "_posted", "_quiet_since", "_sink",
-                 "_start_fn", "on_cancel", "stopped", "wants_credit")  # fmt: skip
+    __slots__ = ("_args", "_done", "_high_water", "_on_room", "_posted", "_start_fn", "on_cancel", "stopped",
+                 "wants_credit")  # fmt: skip
 
     def __init__(
         self, link: Link, sink: FeedStream[T], start: Callable[..., None], args: tuple[object, ...], high_water: int
     ) -> None:
-        self._link: Final = link
-        self._sink: Final = sink
+        super().__init__(link, sink)
         self._start_fn: Final = start
         self._args: Final = args
         self._high_water: Final = high_water
         self._posted = 0  # loop: items pushed so far
         self._done = False  # loop: end, fail or the cancel has been handled
         self._on_room: Callable[[], None] | None = None  # loop: the holding producer's callback
-        # loop: watch_idle's period, and since when nothing was pushed or reported (loop.time()).
-        self._idle_s = 0.0
-        self._quiet_since = 0.0
         #: Loop: called once if trio leaves before the end (set by the producer; replace it as its state changes).
         self.on_cancel: Callable[[], object] | None = None
         #: Written by trio when it leaves, read by the loop (the producer may look before doing more work).
@@ -521,25 +532,8 @@ class Feed(Generic[T]):
             self._link.to_trio(self._sink._finished)
 
     def _watch_idle(self, seconds: float) -> None:
-        if self._done or seconds <= 0:
-            return
-        self._idle_s = seconds
-        self._quiet_since = self._link.loop.time()
-        watch = self._link.idle_watch
-        if watch is None:
-            watch = self._link.idle_watch = IdleWatch(self._link)
-        watch.add(self)
-
-    def idle_check(self, now: float) -> None:
-        """Loop (the sweep): tell a waiting consumer once per ``watch_idle`` period of silence."""
-        idle = now - self._quiet_since
-        if idle >= self._idle_s:
-            self._quiet_since = now
-            self._link.to_trio(self._sink.interrupt, StreamIdle(f"nothing arrived for {idle:.3g}s"))
-
-    def _stop_watching(self) -> None:
-        if self._idle_s and self._link.idle_watch is not None:
-            self._link.idle_watch.feeds.discard(self)
+        if not self._done and seconds > 0:
+            self._watch(seconds)
 
     def _credit(self) -> None:
         on_room = self._on_room
@@ -561,11 +555,11 @@ class IdleWatch:
 
     def __init__(self, link: Link) -> None:
         self._link: Final = link
-        self.feeds: Final[set[Feed[Any] | _Pump[Any]]] = set()
+        self.feeds: Final[set[_IdleWatched]] = set()
         self._period = math.inf
         self._timer: asyncio.TimerHandle | None = None
 
-    def add(self, feed: Feed[Any] | _Pump[Any]) -> None:
+    def add(self, feed: _IdleWatched) -> None:
         self.feeds.add(feed)
         period = feed._idle_s / 8
         if self._timer is None or period < self._period:
