@@ -89,45 +89,24 @@ class AsyncioCall(Generic[T]):
         self._done.set()
 
 
-class BatchStream(Inbox[T]):
-    """What ``Edge.open_stream`` returns: an async context manager, and a trio async iterator of non-empty
-    ``list[T]`` batches.
+class _TrioConsumer(Inbox[T]):
+    """The trio side both streams share: one consumer task parked without allocating (trio's low-level parking, no
+    Event per wait), the credit posted to a holding producer, :meth:`interrupt`, and a close that tells the producer
+    and waits at most :data:`EXIT_GRACE` for it to finish. Each stream adds its producer (a pump task iterating an
+    asyncio iterator, or a :class:`Feed` fed by loop callbacks) and how to start, stop and idle-watch it."""
 
-    A batch is everything the asyncio side received since the consumer last took one (the pump posts what it read in
-    one loop iteration; posts that arrive before the consumer comes back are merged, up to 1024 items), so handle a
-    batch at a time (one yield, one metrics update per batch). After the last batch, an exception from the asyncio
-    iterator is raised here, the same object. One consumer task at a time (:class:`trio.BusyResourceError`
-    otherwise).
+    __slots__ = ("_busy", "_done_event", "_producer_finished", "_waiter")
 
-    Entering it starts the pump; leaving it stops the pump between two items, cancels it and ``aclose()``-s the
-    iterator (for grpclib: RST_STREAM), then waits at most 1 s for that.
-    """
-
-    __slots__ = ("_busy", "_done_event", "_pump", "_pump_finished", "_waiter")
-
-    def __init__(
-        self, link: Link, fn: Callable[..., AsyncIterator[T]], args: tuple[object, ...], high_water: int
-    ) -> None:
+    def __init__(self, link: Link, high_water: int) -> None:
         if high_water < 1:
             raise ValueError(f"high_water must be at least 1, not {high_water}")
         super().__init__(link)  # the inbox: trio's
-        self._pump: Final = _Pump(link, self, fn, args, high_water)
         self._busy = False
-        # The consumer parked in __anext__ (trio's low-level parking: no Event allocated per wait).
         self._waiter: trio.lowlevel.Task | None = None
-        self._pump_finished = False
-        self._done_event: trio.Event | None = None  # only while leaving waits for the pump
+        self._producer_finished = False
+        self._done_event: trio.Event | None = None  # only while closing waits for the producer
 
-    async def __aenter__(self) -> BatchStream[T]:
-        await trio.lowlevel.checkpoint()
-        if not self._link.to_loop(self._pump.start):
-            raise EdgeClosed("the edge loop is closed")
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self._aclose()
-
-    def __aiter__(self) -> BatchStream[T]:
+    def __aiter__(self) -> _TrioConsumer[T]:
         return self
 
     async def __anext__(self) -> list[T]:
@@ -143,18 +122,16 @@ class BatchStream(Inbox[T]):
                 await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
         finally:
             self._busy = False
-        if self._pump.wants_credit:  # read after writing `taken`: see _Pump._wait_for_credit
-            self._link.to_loop(self._pump.credit)
+        self._credit_if_wanted()
         return batch
+
+    def _credit_if_wanted(self) -> None:
+        """Called after each batch taken (after writing ``taken``): wake a producer holding back for credit."""
+        raise NotImplementedError
 
     def _abort_wait(self, _: object) -> trio.lowlevel.Abort:
         self._waiter = None
         return trio.lowlevel.Abort.SUCCEEDED
-
-    def watch_idle(self, seconds: float) -> None:
-        """As :meth:`FeedStream.watch_idle`: a consumer waiting while nothing arrived for ``seconds`` gets
-        :class:`StreamIdle` (the stream stays open)."""
-        self._link.to_loop(self._pump.watch_idle, seconds)
 
     def interrupt(self, error: BaseException) -> None:
         """Raise ``error`` in the consumer if it is waiting in ``__anext__`` now (else nothing happens)."""
@@ -162,19 +139,17 @@ class BatchStream(Inbox[T]):
             self._waiter = None
             trio.lowlevel.reschedule(task, outcome.Error(error))
 
-    async def _aclose(self) -> None:
-        # Stop first and tidy up afterwards: the pump may be running flat out, and every item it reads meanwhile is
-        # latency (freeing a large backlog here takes milliseconds, with the GIL held).
-        self._pump.stop = True
+    async def _close(self, cancel: Callable[[], None], what: str) -> None:
+        """Post ``cancel`` to the loop unless the producer already finished, then wait for it, shielded and bounded."""
         self._closed = True
-        # A pump that already reported its end has nothing left to cancel (the common case: the stream ran out).
-        if not self._pump_finished and self._link.to_loop(self._pump.cancel):
+        # A producer that already reported its end has nothing left to cancel (the common case: the stream ran out).
+        if not self._producer_finished and self._link.to_loop(cancel):
             with trio.CancelScope(shield=True), trio.move_on_after(EXIT_GRACE) as bound:
-                while not self._pump_finished:
+                while not self._producer_finished:
                     self._done_event = trio.Event()
                     await self._done_event.wait()
             if bound.cancelled_caught:
-                logger.warning("edge: an asyncio stream did not finish within %.1f s of being cancelled", EXIT_GRACE)
+                logger.warning("edge: %s did not finish within %.1f s of being cancelled", what, EXIT_GRACE)
         self._batches.clear()
 
     # trio thread (Inbox's hooks)
@@ -185,12 +160,92 @@ class BatchStream(Inbox[T]):
             trio.lowlevel.reschedule(task)
 
     def _pump_gone(self) -> None:
-        self._pump_finished = True
+        self._producer_finished = True
         if self._done_event is not None:
             self._done_event.set()
 
 
-class _Pump(Generic[T]):
+class BatchStream(_TrioConsumer[T]):
+    """What ``Edge.open_stream`` returns: an async context manager, and a trio async iterator of non-empty
+    ``list[T]`` batches.
+
+    A batch is everything the asyncio side received since the consumer last took one (the pump posts what it read in
+    one loop iteration; posts that arrive before the consumer comes back are merged, up to 1024 items), so handle a
+    batch at a time (one yield, one metrics update per batch). After the last batch, an exception from the asyncio
+    iterator is raised here, the same object. One consumer task at a time (:class:`trio.BusyResourceError`
+    otherwise).
+
+    Entering it starts the pump; leaving it stops the pump between two items, cancels it and ``aclose()``-s the
+    iterator (for grpclib: RST_STREAM), then waits at most 1 s for that.
+    """
+
+    __slots__ = ("_pump",)
+
+    def __init__(
+        self, link: Link, fn: Callable[..., AsyncIterator[T]], args: tuple[object, ...], high_water: int
+    ) -> None:
+        super().__init__(link, high_water)
+        self._pump: Final = _Pump(link, self, fn, args, high_water)
+
+    async def __aenter__(self) -> BatchStream[T]:
+        await trio.lowlevel.checkpoint()
+        if not self._link.to_loop(self._pump.start):
+            raise EdgeClosed("the edge loop is closed")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._aclose()
+
+    def watch_idle(self, seconds: float) -> None:
+        """As :meth:`FeedStream.watch_idle`: a consumer waiting while nothing arrived for ``seconds`` gets
+        :class:`StreamIdle` (the stream stays open)."""
+        self._link.to_loop(self._pump.watch_idle, seconds)
+
+    async def _aclose(self) -> None:
+        # Stop first and tidy up afterwards: the pump may be running flat out, and every item it reads meanwhile is
+        # latency (freeing a large backlog here takes milliseconds, with the GIL held).
+        self._pump.stop = True
+        await self._close(self._pump.cancel, "an asyncio stream")
+
+    def _credit_if_wanted(self) -> None:
+        if self._pump.wants_credit:  # read after writing `taken`: see _Pump._wait_for_credit
+            self._link.to_loop(self._pump.credit)
+
+
+class _IdleWatched:
+    """Loop side, shared by :class:`_Pump` and :class:`Feed`: tell a waiting consumer about silences (``IdleWatch``
+    sweeps them all with one timer)."""
+
+    __slots__ = ("_idle_s", "_link", "_quiet_since", "_sink")
+
+    def __init__(self, link: Link, sink: _TrioConsumer[Any]) -> None:
+        self._link: Final = link
+        self._sink: Final = sink  # the trio side: only the Inbox's callbacks, `taken` and `interrupt` are used
+        # loop: watch_idle's period (0: not watched), and since when nothing was posted or reported (loop.time()).
+        self._idle_s = 0.0
+        self._quiet_since = 0.0
+
+    def _watch(self, seconds: float) -> None:
+        self._idle_s = seconds
+        self._quiet_since = self._link.loop.time()
+        watch = self._link.idle_watch
+        if watch is None:
+            watch = self._link.idle_watch = IdleWatch(self._link)
+        watch.add(self)
+
+    def idle_check(self, now: float) -> None:
+        """Loop (the sweep): tell a waiting consumer once per ``watch_idle`` period of silence."""
+        idle = now - self._quiet_since
+        if idle >= self._idle_s:
+            self._quiet_since = now
+            self._link.to_trio(self._sink.interrupt, StreamIdle(f"nothing arrived for {idle:.3g}s"))
+
+    def _stop_watching(self) -> None:
+        if self._idle_s and self._link.idle_watch is not None:
+            self._link.idle_watch.feeds.discard(self)
+
+
+class _Pump(_IdleWatched, Generic[T]):
     """The asyncio half of a :class:`BatchStream`: iterates ``fn()`` on the edge loop and posts batches to trio.
 
     Batching: the first item of a batch schedules a flush with ``loop.call_soon``, which runs only once the pump
@@ -203,8 +258,8 @@ class _Pump(Generic[T]):
     asks to be woken (``wants_credit``), so a consumer that keeps up sends nothing back across the threads.
     """
 
-    __slots__ = ("_args", "_batch", "_closing", "_credit", "_fn", "_high_water", "_idle_s", "_link", "_max_batch",
-                 "_posted", "_quiet_since", "_sink", "_task", "stop", "wants_credit")  # fmt: skip
+    __slots__ = ("_args", "_batch", "_closing", "_credit", "_fn", "_high_water", "_max_batch", "_posted", "_task",
+                 "stop", "wants_credit")  # fmt: skip
 
     def __init__(
         self,
@@ -214,8 +269,7 @@ class _Pump(Generic[T]):
         args: tuple[object, ...],
         high_water: int,
     ) -> None:
-        self._link: Final = link
-        self._sink: Final = sink
+        super().__init__(link, sink)
         # fn and its arguments rather than a closure over them: one object less per stream.
         self._fn: Final = fn
         self._args: Final = args
@@ -232,27 +286,11 @@ class _Pump(Generic[T]):
         self._closing = False
         # Written by the pump, read by trio: the pump waits for the consumer to take items.
         self.wants_credit = False
-        # loop: watch_idle's period, and since when nothing was posted or reported (loop.time()).
-        self._idle_s = 0.0
-        self._quiet_since = 0.0
 
     def watch_idle(self, seconds: float) -> None:
         """Loop callback: report silences of ``seconds`` to a waiting consumer (see ``IdleWatch``)."""
-        if self._closing or seconds <= 0:
-            return
-        self._idle_s = seconds
-        self._quiet_since = self._link.loop.time()
-        watch = self._link.idle_watch
-        if watch is None:
-            watch = self._link.idle_watch = IdleWatch(self._link)
-        watch.add(self)
-
-    def idle_check(self, now: float) -> None:
-        """Loop (the sweep): tell a waiting consumer once per ``watch_idle`` period of silence."""
-        idle = now - self._quiet_since
-        if idle >= self._idle_s:
-            self._quiet_since = now
-            self._link.to_trio(self._sink.interrupt, StreamIdle(f"nothing arrived for {idle:.3g}s"))
+        if not self._closing and seconds > 0:
+            self._watch(seconds)
 
     def start(self) -> None:
         """Loop callback: start pumping, unless trio already left."""
@@ -321,8 +359,7 @@ class _Pump(Generic[T]):
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         # A done callback rather than a finally: a task cancelled before its first step never runs its body.
-        if self._idle_s and self._link.idle_watch is not None:
-            self._link.idle_watch.feeds.discard(self)
+        self._stop_watching()
         if self.stop:
             if not task.cancelled() and (error := task.exception()) is not None:
                 logger.debug("edge: asyncio stream failed after the trio side left", exc_info=error)
@@ -337,7 +374,7 @@ class _Pump(Generic[T]):
         self._link.to_trio(self._sink._finished)
 
 
-class FeedStream(Inbox[T]):
+class FeedStream(_TrioConsumer[T]):
     """What ``Edge.open_feed`` returns: like :class:`BatchStream`, but fed by callbacks on the loop instead of by a
     pump task iterating an asyncio iterator.
 
@@ -348,17 +385,11 @@ class FeedStream(Inbox[T]):
     finish.
     """
 
-    __slots__ = ("_busy", "_done_event", "_feed", "_feed_finished", "_waiter")
+    __slots__ = ("_feed",)
 
     def __init__(self, link: Link, start: Callable[..., None], args: tuple[object, ...], high_water: int) -> None:
-        if high_water < 1:
-            raise ValueError(f"high_water must be at least 1, not {high_water}")
-        super().__init__(link)  # the inbox: trio's
+        super().__init__(link, high_water)
         self._feed: Final = Feed(link, self, start, args, high_water)
-        self._busy = False
-        self._waiter: trio.lowlevel.Task | None = None
-        self._feed_finished = False
-        self._done_event: trio.Event | None = None
 
     async def __aenter__(self) -> FeedStream[T]:
         await trio.lowlevel.checkpoint()
@@ -367,66 +398,20 @@ class FeedStream(Inbox[T]):
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        feed = self._feed
-        feed.stopped = True
-        self._closed = True
-        if not self._feed_finished and self._link.to_loop(feed._cancel):
-            with trio.CancelScope(shield=True), trio.move_on_after(EXIT_GRACE) as bound:
-                while not self._feed_finished:
-                    self._done_event = trio.Event()
-                    await self._done_event.wait()
-            if bound.cancelled_caught:
-                logger.warning("edge: a feed did not finish within %.1f s of being cancelled", EXIT_GRACE)
-        self._batches.clear()
-
-    def __aiter__(self) -> FeedStream[T]:
-        return self
-
-    async def __anext__(self) -> list[T]:
-        if self._busy:
-            raise trio.BusyResourceError("another task is already iterating this stream")
-        self._busy = True
-        try:
-            if self._batches:
-                await trio.lowlevel.checkpoint()
-            while (batch := self._take()) is None:
-                self._waiter = trio.lowlevel.current_task()
-                await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
-        finally:
-            self._busy = False
-        if self._feed.wants_credit:  # read after writing `taken`: see Feed.hold
-            self._link.to_loop(self._feed._credit)
-        return batch
-
-    def _abort_wait(self, _: object) -> trio.lowlevel.Abort:
-        self._waiter = None
-        return trio.lowlevel.Abort.SUCCEEDED
+        self._feed.stopped = True
+        await self._close(self._feed._cancel, "a feed")
 
     def watch_idle(self, seconds: float) -> None:
         """From now on, a consumer waiting while nothing was pushed for ``seconds`` gets :class:`StreamIdle` raised
         (the stream stays open). One timer on the loop per stream, instead of a deadline per wait in trio."""
         self._link.to_loop(self._feed._watch_idle, seconds)
 
-    def interrupt(self, error: BaseException) -> None:
-        """Raise ``error`` in the consumer if it is waiting in ``__anext__`` now (else nothing happens)."""
-        if (task := self._waiter) is not None:
-            self._waiter = None
-            trio.lowlevel.reschedule(task, outcome.Error(error))
-
-    # trio thread (Inbox's hooks)
-
-    def _wake(self) -> None:
-        if (task := self._waiter) is not None:
-            self._waiter = None
-            trio.lowlevel.reschedule(task)
-
-    def _pump_gone(self) -> None:
-        self._feed_finished = True
-        if self._done_event is not None:
-            self._done_event.set()
+    def _credit_if_wanted(self) -> None:
+        if self._feed.wants_credit:  # read after writing `taken`: see Feed.hold
+            self._link.to_loop(self._feed._credit)
 
 
-class Feed(Generic[T]):
+class Feed(_IdleWatched, Generic[T]):
     """The loop side of a :class:`FeedStream`: what its producer calls, on the loop thread only.
 
     ``start(feed, *args)`` is called on the loop when trio enters the stream; it sets :attr:`on_cancel` and arranges
@@ -438,23 +423,19 @@ class Feed(Generic[T]):
     taken items (only a holding producer is posted to: a consumer that keeps up sends nothing back).
     """
 
-    __slots__ = ("_args", "_done", "_high_water", "_idle_s", "_link", "_on_room", "_posted", "_quiet_since", "_sink",
-                 "_start_fn", "on_cancel", "stopped", "wants_credit")  # fmt: skip
+    __slots__ = ("_args", "_done", "_high_water", "_on_room", "_posted", "_start_fn", "on_cancel", "stopped",
+                 "wants_credit")  # fmt: skip
 
     def __init__(
         self, link: Link, sink: FeedStream[T], start: Callable[..., None], args: tuple[object, ...], high_water: int
     ) -> None:
-        self._link: Final = link
-        self._sink: Final = sink
+        super().__init__(link, sink)
         self._start_fn: Final = start
         self._args: Final = args
         self._high_water: Final = high_water
         self._posted = 0  # loop: items pushed so far
         self._done = False  # loop: end, fail or the cancel has been handled
         self._on_room: Callable[[], None] | None = None  # loop: the holding producer's callback
-        # loop: watch_idle's period, and since when nothing was pushed or reported (loop.time()).
-        self._idle_s = 0.0
-        self._quiet_since = 0.0
         #: Loop: called once if trio leaves before the end (set by the producer; replace it as its state changes).
         self.on_cancel: Callable[[], object] | None = None
         #: Written by trio when it leaves, read by the loop (the producer may look before doing more work).
@@ -551,25 +532,8 @@ class Feed(Generic[T]):
             self._link.to_trio(self._sink._finished)
 
     def _watch_idle(self, seconds: float) -> None:
-        if self._done or seconds <= 0:
-            return
-        self._idle_s = seconds
-        self._quiet_since = self._link.loop.time()
-        watch = self._link.idle_watch
-        if watch is None:
-            watch = self._link.idle_watch = IdleWatch(self._link)
-        watch.add(self)
-
-    def idle_check(self, now: float) -> None:
-        """Loop (the sweep): tell a waiting consumer once per ``watch_idle`` period of silence."""
-        idle = now - self._quiet_since
-        if idle >= self._idle_s:
-            self._quiet_since = now
-            self._link.to_trio(self._sink.interrupt, StreamIdle(f"nothing arrived for {idle:.3g}s"))
-
-    def _stop_watching(self) -> None:
-        if self._idle_s and self._link.idle_watch is not None:
-            self._link.idle_watch.feeds.discard(self)
+        if not self._done and seconds > 0:
+            self._watch(seconds)
 
     def _credit(self) -> None:
         on_room = self._on_room
@@ -591,11 +555,11 @@ class IdleWatch:
 
     def __init__(self, link: Link) -> None:
         self._link: Final = link
-        self.feeds: Final[set[Feed[Any] | _Pump[Any]]] = set()
+        self.feeds: Final[set[_IdleWatched]] = set()
         self._period = math.inf
         self._timer: asyncio.TimerHandle | None = None
 
-    def add(self, feed: Feed[Any] | _Pump[Any]) -> None:
+    def add(self, feed: _IdleWatched) -> None:
         self.feeds.add(feed)
         period = feed._idle_s / 8
         if self._timer is None or period < self._period:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVarTuple
 
 from grpclib.client import _H2_TO_GRPC_STATUS_MAP
 from grpclib.const import Status
@@ -51,7 +51,7 @@ from ._status import to_engine_rpc_error
 from ._transport import DirectSink, GoawayRefused
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Awaitable, Callable, Sequence
 
     from sidecar.edge import Feed
 
@@ -63,6 +63,9 @@ _PREFIX: Final = struct.Struct(">BI")  # gRPC message prefix: compressed flag, l
 _GRPC_CONTENT_TYPE: Final = "application/grpc"
 # h2 stream states in which a DATA frame is received without a state change.
 _RECEIVING: Final = frozenset({StreamState.OPEN, StreamState.HALF_CLOSED_LOCAL})
+
+
+Ts = TypeVarTuple("Ts")
 
 
 class _NoWaiter:
@@ -192,40 +195,39 @@ class DirectStream(DirectSink):
         return True
 
     async def _send_in_task(self, data: bytes) -> None:
-        try:
-            await self._send_message(data)
-        except asyncio.CancelledError:
-            self._feed.fail_cancelled()
-            self.cancel()
-            raise
-        except Exception as exc:
-            self._fail(exc)
-        finally:
-            self.opening = None
+        await self._as_opening(self._send_message, data)
 
     async def open(
         self, headers: list[tuple[str, str]], data: bytes, before_open: Callable[[str, PooledChannel], None] | None
     ) -> None:
         """Connect if need be, wait for a stream slot, send the headers and the request; from then on the processor
         feeds this stream."""
-        feed = self._feed
+        await self._as_opening(self._open, headers, data, before_open)
+
+    async def _open(
+        self, headers: list[tuple[str, str]], data: bytes, before_open: Callable[[str, PooledChannel], None] | None
+    ) -> None:
+        retry = True
+        while True:
+            try:
+                await self._send_headers(headers, before_open)
+                break
+            except GoawayRefused:
+                # Raised before anything was sent: retry once on the fresh connection the channel makes now.
+                if not retry:
+                    raise
+                retry = False
+        self._feed.on_cancel = self.cancel
+        await self._send_message(data)
+
+    async def _as_opening(self, step: Callable[[*Ts], Awaitable[None]], *args: *Ts) -> None:
+        """Run ``step`` as the :attr:`opening` task: a failure fails the stream; a cancellation -- trio left while the
+        stream was opening (the feed has already reported its end), its deadline passed, or the loop is shutting down
+        (then the feed still waits: tell it) -- ends the feed and the stream."""
         try:
-            retry = True
-            while True:
-                try:
-                    await self._send_headers(headers, before_open)
-                    break
-                except GoawayRefused:
-                    # Raised before anything was sent: retry once on the fresh connection the channel makes now.
-                    if not retry:
-                        raise
-                    retry = False
-            feed.on_cancel = self.cancel
-            await self._send_message(data)
+            await step(*args)
         except asyncio.CancelledError:
-            # Trio left while the stream was opening (the feed has already reported its end), its deadline passed,
-            # or the loop is shutting down (then the feed still waits: tell it).
-            feed.fail_cancelled()
+            self._feed.fail_cancelled()
             self.cancel()
             raise
         except Exception as exc:

@@ -4,12 +4,15 @@ backpressure by ``hold``, leaving early, and the loop going away under an open f
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
 
 from sidecar.edge import Edge, EdgeClosed, Feed, StreamIdle, open_edge
+
+if TYPE_CHECKING:
+    from sidecar.edge import BatchStream, FeedStream
 
 TIMEOUT = 10
 
@@ -161,19 +164,24 @@ async def test_interrupt_raises_in_a_waiting_consumer_only(edge: Edge) -> None:
         async with edge.open_feed(start) as batches:
             batches.interrupt(boom)  # nobody waits: nothing happens
             assert await batches.__anext__() == [1]
-            async with trio.open_nursery() as nursery:
-                caught: list[BaseException] = []
+            assert await _interrupt_while_waiting(batches, boom) == [boom]
 
-                async def wait() -> None:
-                    try:
-                        await batches.__anext__()
-                    except RuntimeError as exc:
-                        caught.append(exc)
 
-                nursery.start_soon(wait)
-                await trio.sleep(0.05)
-                batches.interrupt(boom)
-    assert caught == [boom]
+async def _interrupt_while_waiting(batches: BatchStream[int] | FeedStream[int], error: BaseException) -> list[object]:
+    """Interrupt a consumer parked in ``__anext__``; what it raised."""
+    caught: list[object] = []
+
+    async def wait() -> None:
+        try:
+            await batches.__anext__()
+        except RuntimeError as exc:
+            caught.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait)
+        await trio.sleep(0.05)
+        batches.interrupt(error)
+    return caught
 
 
 async def _push(feed: Feed[int], value: int) -> None:
@@ -198,16 +206,4 @@ async def test_open_stream_watches_its_silence_and_can_be_interrupted(edge: Edge
         async with edge.open_stream(_slow_source, 1, 5.0, 2) as batches:
             assert await batches.__anext__() == [1]
             boom = RuntimeError("worker says stop")
-            async with trio.open_nursery() as nursery:
-                caught: list[BaseException] = []
-
-                async def wait() -> None:
-                    try:
-                        await batches.__anext__()
-                    except RuntimeError as exc:
-                        caught.append(exc)
-
-                nursery.start_soon(wait)
-                await trio.sleep(0.05)
-                batches.interrupt(boom)
-            assert caught == [boom]
+            assert await _interrupt_while_waiting(batches, boom) == [boom]

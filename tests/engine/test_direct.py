@@ -263,14 +263,15 @@ async def test_a_message_over_the_limit_fails_before_its_body_arrives(edge: Edge
     assert seen.resets[0][1] == 8  # CANCEL
 
 
-async def test_leaving_the_stream_resets_it_at_once(edge: Edge) -> None:
-    async def script(r: Responder) -> None:
-        r.headers()
-        await r.data(token(1))
-        await asyncio.sleep(30)
+async def _one_token_then_silence(r: Responder) -> None:
+    r.headers()
+    await r.data(token(1))
+    await asyncio.sleep(30)
 
+
+async def test_leaving_the_stream_resets_it_at_once(edge: Edge) -> None:
     with trio.fail_after(TEST_BOUND):
-        async with raw_engine(edge, script) as (endpoint, seen), client_for(edge, endpoint) as client:
+        async with raw_engine(edge, _one_token_then_silence) as (endpoint, seen), client_for(edge, endpoint) as client:
             for attempt in range(2):
                 async with client.generate(request()) as batches:
                     assert [r.token.tokens[0].token_id for r in await batches.__anext__()] == [1]
@@ -287,13 +288,8 @@ async def test_leaving_the_stream_resets_it_at_once(edge: Edge) -> None:
 
 
 async def test_a_deadline_ends_the_stream_deadline_exceeded(edge: Edge) -> None:
-    async def script(r: Responder) -> None:
-        r.headers()
-        await r.data(token(1))
-        await asyncio.sleep(30)
-
     with trio.fail_after(TEST_BOUND):
-        async with raw_engine(edge, script) as (endpoint, seen), client_for(edge, endpoint) as client:
+        async with raw_engine(edge, _one_token_then_silence) as (endpoint, seen), client_for(edge, endpoint) as client:
             ids, error = await read_all(client, timeout_s=0.3)
             while not seen.resets:
                 await trio.sleep(0.01)
