@@ -101,7 +101,7 @@ async def create_runtime(
     build waits for I/O that only the runtime's worker threads (two on two cores) drive. Once the runtime calls into
     Python (a request handler, a ``/metrics`` scrape, a finished future), those threads queue for the GIL: a build
     then deadlocks the whole process (a LoRA worker hung after ``serving ... as instance`` in 1 of 120 start-ups;
-    ``tests/dynamo/test_busy_runtime.py`` shows it in seconds). With file discovery the build needs no I/O
+    ``tests/cluster/test_busy_runtime.py`` shows it in seconds). With file discovery the build needs no I/O
     (``restore_endpoint`` relies on it).
 
     The constructor connects to etcd and NATS synchronously, retrying with backoff until its startup-connect deadline

@@ -1,6 +1,6 @@
 """Serve control endpoints while Dynamo's runtime threads are busy in Python, as a serving worker's are.
 
-Run as ``python tests/dynamo/busy_runtime_worker.py --when {with-runtime,late}`` with ``DYN_SYSTEM_PORT``,
+Run as ``python tests/cluster/busy_runtime_worker.py --when {with-runtime,late}`` with ``DYN_SYSTEM_PORT``,
 ``ETCD_ENDPOINTS`` and ``NATS_SERVER`` set. It creates the runtime (etcd discovery, NATS planes), exports a
 ``/metrics`` callback that takes 20 ms (a Python callback preempted under load), keeps six scrapers on
 ``/metrics`` so the runtime's worker threads are in that callback or queued for the GIL, and then serves
