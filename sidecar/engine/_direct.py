@@ -191,11 +191,8 @@ class DirectStream(DirectSink):
             connection.data_send_process()
         else:
             connection.flush()
-            self.opening = asyncio.get_running_loop().create_task(self._send_in_task(data))
+            self.opening = asyncio.get_running_loop().create_task(self._as_opening(self._send_message, data))
         return True
-
-    async def _send_in_task(self, data: bytes) -> None:
-        await self._as_opening(self._send_message, data)
 
     async def open(
         self, headers: list[tuple[str, str]], data: bytes, before_open: Callable[[str, PooledChannel], None] | None
