@@ -36,6 +36,7 @@ from bench._e2e_common import (
     TEMPERATURE,
     RequestTiming,
     Table,
+    gap_summary,
     jsonable,
     latency_summary,
     own_cpu_s,
@@ -75,7 +76,7 @@ async def one_request(client: AsyncOpenAI, cfg: LoadConfig, table: Table, number
     text: list[str] = []
     chars = 0
     delivered = 0
-    chunks = 0
+    count_events = 0
     events: list[tuple[float, int]] = []
     finish: str | None = None
     usage: dict[str, Any] | None = None
@@ -115,7 +116,7 @@ async def one_request(client: AsyncOpenAI, cfg: LoadConfig, table: Table, number
                     last = now
                     chars += len(content)
                     text.append(content)
-                    chunks += 1
+                    count_events += 1
                     # Tokens delivered so far, from the engine's text offsets (the frontend detokenizes).
                     count = bisect.bisect_right(offsets, chars)
                     events.append((now, count - delivered))
@@ -126,7 +127,7 @@ async def one_request(client: AsyncOpenAI, cfg: LoadConfig, table: Table, number
                 break
     end = time.monotonic()
     if hold is not None:
-        return Outcome(RequestTiming(start, first, last, end, delivered, chunks), None, events)
+        return Outcome(RequestTiming(start, first, last, end, delivered, count_events), None, events)
     got = "".join(text)
     completion = (usage or {}).get("completion_tokens")
     if not done:
@@ -141,7 +142,7 @@ async def one_request(client: AsyncOpenAI, cfg: LoadConfig, table: Table, number
         return Outcome(
             error=f"text differs from the engine's at char {at}: {got[at : at + 30]!r} vs {want[at : at + 30]!r}"
         )
-    return Outcome(RequestTiming(start, first, last, end, cfg.max_tokens, chunks), None, events)
+    return Outcome(RequestTiming(start, first, last, end, cfg.max_tokens, count_events), None, events)
 
 
 class Holder:
@@ -230,6 +231,7 @@ async def run(cfg: LoadConfig) -> dict[str, Any]:
         "client_cpu_s": cpu,
         "t_start": started,
         **latency_summary(timings),
+        **gap_summary([[when for when, _ in o.events] for o in outcomes if o.timing is not None]),
     }
     if hold is not None:
         result.update(held)
