@@ -115,15 +115,16 @@ class RequestTiming:
 
 def window_throughput(timings: list[RequestTiming], events: list[tuple[float, int]]) -> tuple[float, float, float]:
     """Steady-state output tokens/s: tokens delivered between the first request's end (every slot is busy by then)
-    and the last request's start (no slot idles before then). Falls back to the whole run when that window is
-    empty (fewer requests than slots). Returns (tokens/s, window start, window end)."""
+    and the last request's start (no slot idles before then). Where that window is under a quarter of the run (few
+    requests per slot: they start and end in waves) the whole run counts instead, first start to last end. Returns
+    (tokens/s, window start, window end)."""
     if not timings:
         return math.nan, math.nan, math.nan
     lo = min(t.end for t in timings)
     hi = max(t.start for t in timings)
-    if hi - lo < 0.2:
-        lo = min(t.start for t in timings)
-        hi = max(t.end for t in timings)
+    first, final = min(t.start for t in timings), max(t.end for t in timings)
+    if hi - lo < (final - first) / 4:
+        lo, hi = first, final
     tokens = sum(n for when, n in events if lo <= when <= hi)
     return (tokens / (hi - lo) if hi > lo else math.nan), lo, hi
 

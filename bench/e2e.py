@@ -20,7 +20,7 @@ point run as A, B, (R,) C, A, B, … (rounds interleaved, medians reported), eac
 request uses one of a few seeds, so every path carries the same token streams; every response of every path is
 checked against the engine's own (count, text, finish reason, usage). A lost, failed or mis-ordered request makes
 the run exit 1. Then the memory rows: 1,000 requests held in flight at once, through the sidecar and through worker
-A, cold (before it served anything) and warm (after the other rows).
+A, warm (after the other rows) and cold (a fresh process).
 
 The run ends with one line per goal: ``goal <name>: <measured> (target <op> <target>) met|MISSED``.
 """
@@ -97,6 +97,8 @@ PINNING: Pinning | None = None
 #: measured in the same rounds as B (A B R C), for a before/after in one run.
 REF_TREE: tuple[str, Path] | None = None
 MODEL_REF: Final = "bench-b-ref"
+#: A fresh worker A for the memory rows' cold baseline.
+MODEL_A_COLD: Final = "bench-a-cold"
 
 
 def pin_process(pid: int, cpus: frozenset[int]) -> None:
@@ -168,11 +170,12 @@ class Plan:
     us_per_message_concurrency: int
     cpu_ratio_row: tuple[float, int]  # (ms per token, concurrency)
     #: Memory: this many requests in flight at once on a slow engine (``memory_decode_ms`` per step), held for
-    #: ``hold_s``, then cancelled.
+    #: ``hold_s``, then cancelled; RSS read ``settle_s`` after a warm-up or an end.
     memory_requests: int
     memory_max_tokens: int
     memory_decode_ms: float
     hold_s: float
+    settle_s: float
 
     def requests(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_slot * concurrency)
@@ -187,7 +190,7 @@ FULL: Final = Plan(
     rounds=2,
     max_tokens=200,
     seeds=list(range(1000, 1008)),
-    min_requests=48,
+    min_requests=320,  # long enough to be steady at c=16 and 64 (a few seconds)
     requests_per_slot=3,
     warmup_requests=32,
     paced_ms=[10.0, 20.0],
@@ -203,6 +206,7 @@ FULL: Final = Plan(
     memory_max_tokens=2000,
     memory_decode_ms=100.0,
     hold_s=3.0,
+    settle_s=1.0,
 )
 QUICK: Final = Plan(
     intervals=[1, 5],
@@ -225,7 +229,8 @@ QUICK: Final = Plan(
     memory_requests=50,
     memory_max_tokens=2000,
     memory_decode_ms=100.0,
-    hold_s=1.0,
+    hold_s=0.5,
+    settle_s=0.3,
 )
 
 
@@ -548,7 +553,7 @@ async def hold_many(
                              max_tokens, plan.seeds)  # fmt: skip
         config.update({"hold_s": 0.5, "annotations": annotations})
         await run_child("bench._e2e_load", config, stack.work, 120)
-        await trio.sleep(1.0)
+        await trio.sleep(plan.settle_s)
     idle = process_rss_bytes(sampler.pid)
     config = load_config(stack.frontend.url, model, table, plan.memory_requests, plan.memory_requests, max_tokens,
                          plan.seeds)  # fmt: skip
@@ -560,15 +565,17 @@ async def hold_many(
     return idle, sampler.median(held_from + 0.2, held_to), result
 
 
-async def baseline_memory(stack: Stack, plan: Plan, table: Path, nursery: trio.Nursery) -> dict[str, Any]:
-    """Worker A holding ``memory_requests`` requests (one token a second): its growth per request is what Dynamo's
-    binding itself costs per in-flight request."""
-    sampler = Sampler(stack.worker_a.pid)
+async def baseline_memory(
+    stack: Stack, plan: Plan, table: Path, nursery: trio.Nursery, pid: int, model: str, *, warm: bool
+) -> dict[str, Any]:
+    """Worker A (process ``pid``, served as ``model``) holding ``memory_requests`` requests, one token a second: its
+    growth per request is what Dynamo's binding itself costs per in-flight request, whatever the worker does."""
+    sampler = Sampler(pid)
     nursery.start_soon(sampler.run)
     try:
-        # The table's streams only (max_tokens of the saturated rows), one token a second.
+        # The table's streams only (max_tokens of the saturated rows).
         idle, in_flight, result = await hold_many(
-            stack, plan, table, MODEL_A, sampler, ["pace_ms:1000"], plan.max_tokens, warm=False
+            stack, plan, table, model, sampler, ["pace_ms:1000"], plan.max_tokens, warm=warm
         )
     finally:
         sampler.scope.cancel()
@@ -583,22 +590,26 @@ async def baseline_memory(stack: Stack, plan: Plan, table: Path, nursery: trio.N
 
 async def memory_test(stack: Stack, plan: Plan, table: Path, nursery: trio.Nursery) -> dict[str, Any]:
     """Sidecar RSS idle, then with ``memory_requests`` requests in flight at once (slow mock), then after; then worker
-    A's the same way, warm (it has served the other rows)."""
+    A's growth the same way: *warm*, the worker that served every row (up to 256 in flight), and *cold*, a fresh
+    worker A with the same short warm-up as the sidecar got -- the like-for-like baseline."""
     assert stack.sidecar is not None
     assert stack.sampler is not None
     pid = stack.sidecar.pid
-    await trio.sleep(1.0)
+    await trio.sleep(plan.settle_s)
     idle_fresh = process_rss_bytes(pid)
     idle_warm, in_flight, result = await hold_many(
         stack, plan, table, MODEL_B, stack.sampler, [], plan.memory_max_tokens, warm=True
     )
-    await trio.sleep(1.0)
+    await trio.sleep(plan.settle_s)
     after = process_rss_bytes(pid)
-    warm_a = await baseline_memory(stack, plan, table, nursery)
+    warm_a = await baseline_memory(stack, plan, table, nursery, stack.worker_a.pid, MODEL_A, warm=False)
+    async with start_worker_a(stack.denv, table, stack.work / "record-cold.json", MODEL_A_COLD, "baselinecold") as cold:
+        await wait_for_model(stack.frontend.url, MODEL_A_COLD, timeout=60)
+        cold_a = await baseline_memory(stack, plan, table, nursery, cold.pid, MODEL_A_COLD, warm=True)
     out = {
         "requests": plan.memory_requests,
         "peak_in_flight_seen_by_client": result["peak_in_flight"],
-        "failed": result["failed"] + warm_a["failed"],
+        "failed": result["failed"] + warm_a["failed"] + cold_a["failed"],
         "errors": result["errors"],
         "idle_rss_mib": idle_fresh / MiB,
         "idle_rss_after_warmup_mib": idle_warm / MiB,
@@ -606,14 +617,28 @@ async def memory_test(stack: Stack, plan: Plan, table: Path, nursery: trio.Nurse
         "after_rss_mib": after / MiB,
         "per_request_kib": (in_flight - idle_warm) / plan.memory_requests / 1024,
         "baseline_warm": warm_a,
+        "baseline_cold": cold_a,
     }
     log(
         f"  memory: sidecar idle {out['idle_rss_mib']:.1f} MiB (after warm-up {out['idle_rss_after_warmup_mib']:.1f}),"
         f" {out['peak_in_flight_seen_by_client']} in flight {out['in_flight_rss_mib']:.1f} MiB "
-        f"→ {out['per_request_kib']:.1f} KiB/request; after {out['after_rss_mib']:.1f} MiB; worker A (warm) "
-        f"{warm_a['per_request_kib']:.1f} KiB/request ({warm_a['peak_in_flight']} in flight)"
+        f"→ {out['per_request_kib']:.1f} KiB/request; after {out['after_rss_mib']:.1f} MiB; worker A warm "
+        f"{warm_a['per_request_kib']:.1f}, cold {cold_a['per_request_kib']:.1f} KiB/request"
     )
     return out
+
+
+def start_worker_a(
+    denv: DynamoEnv, table: Path, record: Path, model: str, component: str
+) -> contextlib.AbstractAsyncContextManager[Process]:
+    argv = [
+        sys.executable, "-m", "bench._e2e_worker", "--model-path", str(MODEL_DIR), "--served-model-name", model,
+        "--component", component, "--table", str(table), "--record", str(record),
+        "--context-length", str(CONTEXT_LENGTH), "--kv-block-size", str(KV_BLOCK_SIZE),
+        "--total-kv-blocks", str(TOTAL_KV_BLOCKS), "--max-num-seqs", str(MAX_RUNNING),
+        "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
+    ]  # fmt: skip
+    return start_process(argv, denv.worker_env(), log_path=denv.log_path(component), ready="READY")
 
 
 async def run(plan: Plan, out: Path, memory_only: bool = False) -> dict[str, Any]:
@@ -639,16 +664,7 @@ async def run(plan: Plan, out: Path, memory_only: bool = False) -> dict[str, Any
         table, record = work / "table.json", work / "record.json"
         async with AsyncExitStack() as outer, trio.open_nursery() as nursery:
             frontend = await outer.enter_async_context(start_frontend(denv))
-            argv = [
-                sys.executable, "-m", "bench._e2e_worker", "--model-path", str(MODEL_DIR),
-                "--served-model-name", MODEL_A, "--table", str(table), "--record", str(record),
-                "--context-length", str(CONTEXT_LENGTH), "--kv-block-size", str(KV_BLOCK_SIZE),
-                "--total-kv-blocks", str(TOTAL_KV_BLOCKS), "--max-num-seqs", str(MAX_RUNNING),
-                "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
-            ]  # fmt: skip
-            worker_a = await outer.enter_async_context(
-                start_process(argv, denv.worker_env(), log_path=denv.log_path("worker-a"), ready="READY")
-            )
+            worker_a = await outer.enter_async_context(start_worker_a(denv, table, record, MODEL_A, "baseline"))
             await wait_for_model(frontend.url, MODEL_A, timeout=60)
             stack = Stack(denv, frontend, worker_a, work)
             prompt_ids = await learn_prompt(stack, record)
@@ -657,10 +673,6 @@ async def run(plan: Plan, out: Path, memory_only: bool = False) -> dict[str, Any
                 await start_mock(stack, block, 1)
                 await build_table(stack, plan, prompt_ids, table)
                 _drop_block(stack)
-            # Worker A before it served anything: the cold baseline of the memory rows.
-            cold = await baseline_memory(stack, plan, table, nursery)
-            log(f"  memory: worker A (cold) {cold['per_request_kib']:.1f} KiB/request ({cold['peak_in_flight']} in "
-                f"flight)")  # fmt: skip
             blocks: list[tuple[int, float, list[Row]]] = []
             if not memory_only:
                 blocks += [(i, 0.0, [r for r in saturated_rows(plan) if r.interval == i]) for i in plan.intervals]
@@ -685,7 +697,6 @@ async def run(plan: Plan, out: Path, memory_only: bool = False) -> dict[str, Any
             memory = await _guarded_block(stack, nursery, lambda: memory_test(stack, plan, table, nursery), plan)
             if "error" in memory:
                 memory = _failed_memory(plan, memory["error"])
-            memory["baseline_cold"] = cold
             data["memory"] = memory
             save()
             nursery.cancel_scope.cancel()
@@ -743,7 +754,8 @@ def _failed_memory(plan: Plan, error: str) -> dict[str, Any]:
     keys = ("idle_rss_mib", "idle_rss_after_warmup_mib", "in_flight_rss_mib", "after_rss_mib", "per_request_kib")
     return {"error": error, "requests": plan.memory_requests, "peak_in_flight_seen_by_client": 0,
             "failed": plan.memory_requests, "errors": [error], **dict.fromkeys(keys, math.nan),
-            "baseline_warm": {"per_request_kib": math.nan, "failed": 0}}  # fmt: skip
+            "baseline_warm": {"per_request_kib": math.nan, "failed": 0},
+            "baseline_cold": {"per_request_kib": math.nan, "failed": 0}}  # fmt: skip
 
 
 def _drop_block(stack: Stack) -> None:
@@ -827,7 +839,7 @@ def summarize(plan: Plan, data: dict[str, Any]) -> dict[str, Any]:
     }
     goals = [{"name": g.name, "value": values[g.name], "op": g.op, "target": g.target, "met": g.met(values[g.name]),
               "what": g.what, "line": g.line(values[g.name])} for g in GOALS]  # fmt: skip
-    bad = sum(p["requests"] - p["completed"] for p in points) + memory["failed"] + memory["baseline_cold"]["failed"]
+    bad = sum(p["requests"] - p["completed"] for p in points) + memory["failed"]
     return {"rows": rows, "goals": goals, "bad_requests": bad}
 
 
@@ -859,7 +871,8 @@ def tables(plan: Plan, data: dict[str, Any], summary: dict[str, Any]) -> list[st
         s = rows[row.label()]
         lines.append(
             f"| {row.interval} | {row.concurrency} | {_f(_get(a, 'tokens_per_s'))} | {_f(_get(b, 'tokens_per_s'))} "
-            f"| {_f(_get(c, 'tokens_per_s'))} | {_f(s['b_over_a'], 2)} | {_f(s['b_over_c'], 2)} "
+            f"| {_f(_get(c, 'tokens_per_s'))} | {_f(s['b_over_a'], 2)} "
+            f"| {_f(s['b_over_c'], 2)}{'' if s['c_is_ceiling'] else ' †'} "
             f"| {_pair(a, b, 'tokens_per_event', 2)} | {_pair(a, b, 'gap_p50_ms', 2)} "
             f"| {_pair(a, b, 'gap_p99_ms', 1)} | {_pair(a, b, 'worst_gap_p99_ms', 1)} "
             f"| {_pair(a, b, 'ttft_p50_ms', 1)} | {_pair(a, b, 'itl_p50_ms', 2)} |"
@@ -919,7 +932,8 @@ def tables(plan: Plan, data: dict[str, Any], summary: dict[str, Any]) -> list[st
         f"with {memory['peak_in_flight_seen_by_client']} in flight → **{_f(total, 1)} KiB per request**, "
         f"{_f(memory['after_rss_mib'], 1)} MiB once they were cancelled. Worker A holding as many (its growth is what "
         f"Dynamo's binding costs per in-flight request, whatever the worker does): **{_f(warm, 1)} KiB** warm (after "
-        f"the other rows), **{_f(cold, 1)} KiB** cold (before them). The sidecar's own part: **{_f(total - warm, 1)} "
+        f"the other rows, up to 256 in flight), **{_f(cold, 1)} KiB** cold (a fresh worker A with the sidecar's "
+        f"short warm-up: the like-for-like baseline). The sidecar's own part: **{_f(total - warm, 1)} "
         f"KiB** against the warm baseline, **{_f(total - cold, 1)} KiB** against the cold one.",
         "",
     ]
@@ -971,8 +985,9 @@ def summary_bad(data: dict[str, Any]) -> int:
 def ceiling_note(summary: dict[str, Any]) -> str:
     below = [r["label"] for r in summary["rows"] if r["pace_ms"] == 0 and not r["c_is_ceiling"]]
     if not below:
-        return "Path C is a ceiling: above A and B at every saturated row."
-    return f"Path C is **not** a ceiling at {', '.join(below)} (below A or B there): read B/C with care."
+        return "Path C (our engine client alone, off the engine's CPU) was above A and B at every saturated row."
+    return (f"† Path C (our engine client alone, off the engine's CPU) was not above both A and B at "
+            f"{', '.join(below)}: no ceiling there.")  # fmt: skip
 
 
 def markdown(plan: Plan, data: dict[str, Any], summary: dict[str, Any], images: list[str]) -> str:
@@ -1020,9 +1035,9 @@ def plots(plan: Plan, data: dict[str, Any], out: Path) -> list[Path]:
                   {names[p]: pac(p, "tokens_per_event") for p in "AB"}),
         ],
         "cpu": [
-            Panel("Paced: CPU µs per output token", "µs/token", "ms/token, concurrency", paced_x,
+            Panel("Paced: CPU us per output token", "us/token", "ms/token, concurrency", paced_x,
                   {"A worker": pac_cpu("A", "worker_a"), "B sidecar": pac_cpu("B", "sidecar")}),
-            Panel("Saturated: CPU µs per output token", "µs/token", "concurrency", sat_x,
+            Panel("Saturated: CPU us per output token", "us/token", "concurrency", sat_x,
                   {**{f"A worker, {i} tok/msg": [_cpu(_point(points, "A", Row(i, 0.0, c)), "worker_a")
                                                   for c in plan.concurrencies] for i in plan.intervals},
                    **{f"B sidecar, {i} tok/msg": [_cpu(_point(points, "B", Row(i, 0.0, c)), "sidecar")

@@ -46,13 +46,18 @@ def test_window_is_between_first_end_and_last_start() -> None:
     timings = [timing(0, 1, 4, 4, 4, 4), timing(0, 1, 6, 6, 6, 6), timing(4, 5, 8, 8, 4, 4)]
     events = [(t, 1) for t in (1, 2, 3, 4, 5, 6, 7, 8)] + [(3.5, 10)]
     rate, lo, hi = window_throughput(timings, events)
-    # The window is [4, 4] + the guard: shorter than 0.2 s, so the whole run [0, 8] counts instead.
+    # The window is [4, 4]: under a quarter of the run, so the whole run [0, 8] counts instead.
     assert (lo, hi) == (0, 8)
     assert rate == pytest.approx(18 / 8)
     timings = [timing(0, 1, 2, 2, 2, 2), timing(0, 1, 9, 9, 9, 9), timing(6, 7, 8, 8, 2, 2)]
     rate, lo, hi = window_throughput(timings, events)
     assert (lo, hi) == (2, 6)
     assert rate == pytest.approx((5 + 10) / 4)  # events at 2, 3, 3.5 (10 tokens), 4, 5, 6
+    # Two waves of requests: the window between them (1.9 to 2.1 of a 4 s run) would measure the hand-over alone.
+    timings = [timing(0, 0.1, 2, 2, 2, 2), timing(0, 0.1, 1.9, 1.9, 2, 2), timing(2.1, 2.2, 4, 4, 2, 2)]
+    rate, lo, hi = window_throughput(timings, [(0.5, 3), (1.5, 1), (3.0, 2)])
+    assert (lo, hi) == (0, 4)
+    assert rate == pytest.approx(6 / 4)
 
 
 def test_latency_summary_uses_aiperf_itl() -> None:
