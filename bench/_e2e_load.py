@@ -8,7 +8,9 @@ Each request is ``stream=True`` with ``stream_options.include_usage``, ``max_tok
 ``ignore_eos: true`` (extra body), read with the OpenAI client's raw streaming response (``iter_lines``: the SDK's
 per-event pydantic models would make the client the bottleneck on two cores). Every response is checked: HTTP 200,
 no error event, ``[DONE]``, ``finish_reason`` ``length``, ``usage.completion_tokens`` = ``max_tokens``, and the text
-equal to the engine's tokens decoded — so no request is lost, cut or mis-ordered.
+equal to the engine's tokens decoded — so no request is lost, cut or mis-ordered. Each text-carrying SSE event is
+stamped on arrival (``time.monotonic()``): tokens per event and the gaps between events (``gap_summary``) come from
+those stamps.
 
 ``hold_s`` > 0 is the memory mode: open every request at once, wait until each has received a token, hold them for
 ``hold_s`` seconds (the bench reads the sidecar's RSS meanwhile), then close them all (the sidecar aborts them).

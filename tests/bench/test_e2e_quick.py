@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.e2e import GOALS
+from bench.e2e import GOALS, render
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -70,3 +70,6 @@ def test_quick_run_measures_every_path_and_ends_with_the_goal_lines(tmp_path: Pa
         value = float(match.group(2))
         assert math.isfinite(value), match.group(0)  # every goal's rows were measured
         assert (match.group(5) == "met") == goal.met(value)
+    # The saved JSON renders to the same goal lines (how the baseline's block in docs/performance.md was made).
+    rendered = render(tmp_path / "e2e.json").splitlines()
+    assert [line for line in rendered if line.startswith("goal ")] == tail

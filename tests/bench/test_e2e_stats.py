@@ -3,6 +3,7 @@ events and tokens per event, merging rounds, the goal lines, and worker A's copy
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from bench import e2e
 from bench._e2e_common import (
     RequestTiming,
     Stream,
@@ -155,3 +157,20 @@ def test_worker_a_cuts_and_paces_as_the_mock_does() -> None:
         assert shape.step_s(batch) == pytest.approx(engine._step_time())
     assert Shape.of({"annotations": worker_a_annotations(1, 0.0)}) == Shape()
     assert Shape.of({"annotations": ["pace_ms:1000"]}).step_s(500) == 1.0
+
+
+def test_a_later_run_shows_its_goals_beside_the_baseline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    baseline = tmp_path / "baseline.json"
+    goals = [{"name": goal.name, "value": 2.0} for goal in GOALS]
+    baseline.write_text(json.dumps({"date": "then", "commit": "aaa", "sidecar_commit": "c096775",
+                                    "summary": {"goals": goals}}))  # fmt: skip
+    monkeypatch.setattr(e2e, "BASELINE", baseline)
+    monkeypatch.setattr(e2e, "ROOT", tmp_path)
+    now = {"goals": [{"name": goal.name, "value": 1.0} for goal in GOALS]}
+    lines = e2e.against_baseline(now, {"date": "now", "commit": "bbb"})
+    assert "`c096775`" in lines[0]
+    row = next(line for line in lines if "`paced_gap_p50_ratio`" in line)
+    assert row == "| `paced_gap_p50_ratio` | 2.00 | 1.00 | ≤ 1.1 |"
+    assert len([line for line in lines if line.startswith("| `")]) == len(GOALS)
+    # The baseline run itself is not compared with itself.
+    assert e2e.against_baseline(now, {"date": "then", "commit": "aaa"}) == []
