@@ -26,6 +26,7 @@ from bench._e2e_common import (
     TEMPERATURE,
     RequestTiming,
     Table,
+    gap_summary,
     jsonable,
     latency_summary,
     own_cpu_s,
@@ -70,7 +71,7 @@ async def stream_once(
     events: list[tuple[float, int]] = []
     start = time.monotonic()
     first = last = math.nan
-    chunks = 0
+    count_events = 0
     finish: int | None = None
     usage = False
     async with client.generate(make_request(cfg.prompt_ids, seed, cfg.max_tokens)) as batches:
@@ -88,9 +89,9 @@ async def stream_once(
                 if before == 0:
                     first = now
                 last = now
-                chunks += 1
+                count_events += 1
                 events.append((now, len(ids) - before))
-    timing = RequestTiming(start, first, last, time.monotonic(), len(ids), chunks)
+    timing = RequestTiming(start, first, last, time.monotonic(), len(ids), count_events)
     problem = None
     if finish != generation_pb2.FINISH_REASON_LENGTH or not usage:
         problem = f"ended with finish reason {finish} (usage: {usage})"
@@ -119,6 +120,7 @@ async def _load(client: EngineClient, cfg: CeilingConfig) -> dict[str, Any]:
     table = Table.load(Path(cfg.table))
     timings: list[RequestTiming] = []
     events: list[tuple[float, int]] = []
+    per_request: list[list[float]] = []
     errors: list[str] = []
     next_number = 0
 
@@ -141,6 +143,7 @@ async def _load(client: EngineClient, cfg: CeilingConfig) -> dict[str, Any]:
                 continue
             timings.append(timing)
             events.extend(got)
+            per_request.append([when for when, _ in got])
 
     cpu0 = own_cpu_s()
     started = time.monotonic()
@@ -163,6 +166,7 @@ async def _load(client: EngineClient, cfg: CeilingConfig) -> dict[str, Any]:
         "client_cpu_s": own_cpu_s() - cpu0,
         "t_start": started,
         **latency_summary(timings),
+        **gap_summary(per_request),
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -109,36 +110,61 @@ class RequestTiming:
     last: float  # last token
     end: float  # stream closed
     tokens: int
-    chunks: int  # messages carrying tokens (SSE events for A/B, engine batches for C)
+    events: int  # events carrying tokens (SSE events with text for A/B, engine batches for C)
 
 
 def window_throughput(timings: list[RequestTiming], events: list[tuple[float, int]]) -> tuple[float, float, float]:
     """Steady-state output tokens/s: tokens delivered between the first request's end (every slot is busy by then)
-    and the last request's start (no slot idles before then). Falls back to the whole run when that window is
-    empty (fewer requests than slots). Returns (tokens/s, window start, window end)."""
+    and the last request's start (no slot idles before then). Where that window is under a quarter of the run (few
+    requests per slot: they start and end in waves) the whole run counts instead, first start to last end. Returns
+    (tokens/s, window start, window end)."""
     if not timings:
         return math.nan, math.nan, math.nan
     lo = min(t.end for t in timings)
     hi = max(t.start for t in timings)
-    if hi - lo < 0.2:
-        lo = min(t.start for t in timings)
-        hi = max(t.end for t in timings)
+    first, final = min(t.start for t in timings), max(t.end for t in timings)
+    if hi - lo < (final - first) / 4:
+        lo, hi = first, final
     tokens = sum(n for when, n in events if lo <= when <= hi)
     return (tokens / (hi - lo) if hi > lo else math.nan), lo, hi
 
 
 def latency_summary(timings: list[RequestTiming]) -> dict[str, float]:
-    """TTFT and ITL percentiles (ms). ITL per request is (last − first) / (tokens − 1), as aiperf computes it."""
+    """TTFT and ITL percentiles (ms), and tokens per event. ITL per request is (last − first) / (tokens − 1), as
+    aiperf computes it: an average per request, blind to how the tokens were spread over the events."""
     ttft = [1e3 * (t.first - t.start) for t in timings if not math.isnan(t.first)]
     itl = [1e3 * (t.last - t.first) / (t.tokens - 1) for t in timings if t.tokens > 1 and not math.isnan(t.first)]
     tokens = sum(t.tokens for t in timings)
-    chunks = sum(t.chunks for t in timings)
+    events = sum(t.events for t in timings)
     return {
         "ttft_p50_ms": percentile(ttft, 50),
         "ttft_p99_ms": percentile(ttft, 99),
         "itl_p50_ms": percentile(itl, 50),
         "itl_p99_ms": percentile(itl, 99),
-        "tokens_per_chunk": tokens / chunks if chunks else math.nan,
+        "tokens_per_event": tokens / events if events else math.nan,
+    }
+
+
+def gap_summary(requests: list[list[float]]) -> dict[str, float]:
+    """What a user feels between pieces of text: the gaps (ms) between consecutive events of each request.
+
+    ``requests`` holds, per request, the client's clock readings of its events that carried text, in order. The
+    gaps of all requests are pooled for p50/p90/p99; each request's largest gap is its *worst gap*, summarized by
+    its p50 and p99 over the requests that had at least two events. NaN where there is nothing to measure."""
+    gaps: list[float] = []
+    worst: list[float] = []
+    for times in requests:
+        mine = [1e3 * (later - earlier) for earlier, later in itertools.pairwise(times)]
+        if mine:
+            gaps.extend(mine)
+            worst.append(max(mine))
+    return {
+        "gap_p50_ms": percentile(gaps, 50),
+        "gap_p90_ms": percentile(gaps, 90),
+        "gap_p99_ms": percentile(gaps, 99),
+        "worst_gap_p50_ms": percentile(worst, 50),
+        "worst_gap_p99_ms": percentile(worst, 99),
+        "gaps": float(len(gaps)),
     }
 
 

@@ -8,7 +8,9 @@ Each request is ``stream=True`` with ``stream_options.include_usage``, ``max_tok
 ``ignore_eos: true`` (extra body), read with the OpenAI client's raw streaming response (``iter_lines``: the SDK's
 per-event pydantic models would make the client the bottleneck on two cores). Every response is checked: HTTP 200,
 no error event, ``[DONE]``, ``finish_reason`` ``length``, ``usage.completion_tokens`` = ``max_tokens``, and the text
-equal to the engine's tokens decoded — so no request is lost, cut or mis-ordered.
+equal to the engine's tokens decoded — so no request is lost, cut or mis-ordered. Each text-carrying SSE event is
+stamped on arrival (``time.monotonic()``): tokens per event and the gaps between events (``gap_summary``) come from
+those stamps.
 
 ``hold_s`` > 0 is the memory mode: open every request at once, wait until each has received a token, hold them for
 ``hold_s`` seconds (the bench reads the sidecar's RSS meanwhile), then close them all (the sidecar aborts them).
@@ -36,6 +38,7 @@ from bench._e2e_common import (
     TEMPERATURE,
     RequestTiming,
     Table,
+    gap_summary,
     jsonable,
     latency_summary,
     own_cpu_s,
@@ -75,7 +78,7 @@ async def one_request(client: AsyncOpenAI, cfg: LoadConfig, table: Table, number
     text: list[str] = []
     chars = 0
     delivered = 0
-    chunks = 0
+    count_events = 0
     events: list[tuple[float, int]] = []
     finish: str | None = None
     usage: dict[str, Any] | None = None
@@ -115,7 +118,7 @@ async def one_request(client: AsyncOpenAI, cfg: LoadConfig, table: Table, number
                     last = now
                     chars += len(content)
                     text.append(content)
-                    chunks += 1
+                    count_events += 1
                     # Tokens delivered so far, from the engine's text offsets (the frontend detokenizes).
                     count = bisect.bisect_right(offsets, chars)
                     events.append((now, count - delivered))
@@ -126,7 +129,7 @@ async def one_request(client: AsyncOpenAI, cfg: LoadConfig, table: Table, number
                 break
     end = time.monotonic()
     if hold is not None:
-        return Outcome(RequestTiming(start, first, last, end, delivered, chunks), None, events)
+        return Outcome(RequestTiming(start, first, last, end, delivered, count_events), None, events)
     got = "".join(text)
     completion = (usage or {}).get("completion_tokens")
     if not done:
@@ -141,7 +144,7 @@ async def one_request(client: AsyncOpenAI, cfg: LoadConfig, table: Table, number
         return Outcome(
             error=f"text differs from the engine's at char {at}: {got[at : at + 30]!r} vs {want[at : at + 30]!r}"
         )
-    return Outcome(RequestTiming(start, first, last, end, cfg.max_tokens, chunks), None, events)
+    return Outcome(RequestTiming(start, first, last, end, cfg.max_tokens, count_events), None, events)
 
 
 class Holder:
@@ -230,6 +233,7 @@ async def run(cfg: LoadConfig) -> dict[str, Any]:
         "client_cpu_s": cpu,
         "t_start": started,
         **latency_summary(timings),
+        **gap_summary([[when for when, _ in o.events] for o in outcomes if o.timing is not None]),
     }
     if hold is not None:
         result.update(held)

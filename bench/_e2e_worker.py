@@ -1,8 +1,10 @@
 """Path A of ``bench.e2e``: a plain in-process Dynamo Python worker that yields the engine's tokens itself.
 
 The shape of Dynamo's in-process backends: one asyncio (uvloop) thread, ``serve_endpoint`` with an async generator
-that yields **one chunk per token** (``{"token_ids": [t], "index": 0}``, the last with ``finish_reason`` and
-``completion_usage``). It is registered with the same ``register_model`` call and the same card fields as the sidecar
+that yields **one chunk per engine message** (``{"token_ids": [...], "index": 0}``, the last with ``finish_reason``
+and ``completion_usage``): with the mock sending 5 tokens per message, 5-token chunks ("A5"), as an in-process backend
+passes on what its engine hands it. With a paced engine it sleeps the mock's decode steps (:class:`Shape`). It is
+registered with the same ``register_model`` call and the same card fields as the sidecar
 (``sidecar.dynamo._bindings.register``), under its own served name and component.
 
 It does no model work: the tokens come from the table that ``bench.e2e`` built by asking ``openengine-mock`` (path C),
@@ -18,6 +20,7 @@ import argparse
 import asyncio
 import json
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,37 +65,97 @@ class Tokens:
         return ids[:max_tokens]
 
 
-def _pace_s(request: dict[str, Any]) -> float:
-    for annotation in request.get("annotations") or ():
-        key, _, value = str(annotation).partition(":")
-        if key == "pace_ms":
-            return float(value) / 1000
-    return 0.0
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """How the engine behind path B paces and cuts its output, as the bench tells this worker per request
+    (``nvext.annotations``, ``key:value``) so that it yields the same stream in the same rhythm:
+
+    * ``tokens_per_message:N`` -- one chunk per N tokens (the mock's ``--stream-interval``), the last chunk with what
+      is left, as an in-process backend passes on what its engine hands it;
+    * ``pace_ms:X`` -- X ms of decode per token (``--decode-ms-per-token``, ``--speedup 1``); 0 = as fast as it goes;
+    * ``batch_slowdown:S`` -- a step lasts ``pace_ms × (1 + (B − 1) / S)`` with ``B`` the requests decoding at once
+      in this worker, as the mock computes its steps (absent: every step lasts ``pace_ms``);
+    * ``prefill_tokens_per_s:R`` -- the prompt takes ``len(prompt) / R`` before the first step, as the mock's prefill.
+    """
+
+    tokens_per_message: int = 1
+    pace_s: float = 0.0
+    batch_slowdown: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+
+    @classmethod
+    def of(cls, request: dict[str, Any]) -> Shape:
+        values: dict[str, str] = {}
+        for annotation in request.get("annotations") or ():
+            key, _, value = str(annotation).partition(":")
+            values[key] = value
+        return cls(
+            tokens_per_message=max(1, int(values.get("tokens_per_message", 1))),
+            pace_s=float(values.get("pace_ms", 0)) / 1000,
+            batch_slowdown=float(values.get("batch_slowdown", 0)),
+            prefill_tokens_per_s=float(values.get("prefill_tokens_per_s", 0)),
+        )
+
+    def step_s(self, decoding: int) -> float:
+        if self.batch_slowdown <= 0:
+            return self.pace_s
+        return self.pace_s * (1.0 + (max(decoding, 1) - 1) / self.batch_slowdown)
 
 
 def make_generate(tokens: Tokens) -> Any:
+    decoding = 0  # requests of this worker in their decode steps (the mock's batch size, for paced steps)
+
     async def generate(request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
+        nonlocal decoding
         prompt = len(request.get("token_ids") or ())
         ids = tokens.lookup(request) if request.get("sampling_options") else None
         if not ids:  # health canary, or a request the table does not cover
             usage = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
             yield {"token_ids": [], "index": 0, "finish_reason": "stop", "completion_usage": usage}
             return
-        pace = _pace_s(request)
+        shape = Shape.of(request)
+        every = shape.tokens_per_message
+        last = len(ids)
+        if not shape.pace_s:
+            for at in range(0, last, every):
+                chunk = ids[at : at + every]
+                if at + every < last:
+                    yield {"token_ids": chunk, "index": 0}
+                else:
+                    yield _final(chunk, prompt, last)
+            return
+        # An engine's decode steps (bench.e2e's paced rows), as the mock runs them: absolute deadlines, a step late
+        # starts from now rather than catching up.
         loop = asyncio.get_running_loop()
-        due = loop.time()
-        last = len(ids) - 1
-        for i, token in enumerate(ids):
-            if pace:  # an engine's decode step (bench.e2e's paced run); absolute deadlines, so no drift
-                due += pace
-                await asyncio.sleep(due - loop.time())
-            if i < last:
-                yield {"token_ids": [token], "index": 0}
-            else:
-                usage = {"prompt_tokens": prompt, "completion_tokens": len(ids), "total_tokens": prompt + len(ids)}
-                yield {"token_ids": [token], "index": 0, "finish_reason": "length", "completion_usage": usage}
+        if shape.prefill_tokens_per_s > 0:
+            await asyncio.sleep(prompt / shape.prefill_tokens_per_s)
+        decoding += 1
+        counted = True
+        try:
+            due = loop.time()
+            pending: list[int] = []
+            for i, token in enumerate(ids):
+                now = loop.time()
+                due = max(due + shape.step_s(decoding), now)
+                await asyncio.sleep(due - now)
+                pending.append(token)
+                if i + 1 == last:
+                    decoding -= 1  # out of the batch before its final chunk goes, as the mock ends the output first
+                    counted = False
+                    yield _final(pending, prompt, last)
+                elif len(pending) >= every:
+                    yield {"token_ids": pending, "index": 0}
+                    pending = []
+        finally:
+            if counted:  # cancelled mid-stream
+                decoding -= 1
 
     return generate
+
+
+def _final(chunk: list[int], prompt: int, total: int) -> dict[str, Any]:
+    usage = {"prompt_tokens": prompt, "completion_tokens": total, "total_tokens": prompt + total}
+    return {"token_ids": chunk, "index": 0, "finish_reason": "length", "completion_usage": usage}
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -1,35 +1,28 @@
-"""End-to-end benchmark: the sidecar against an in-process Dynamo worker and against the engine ceiling, one run.
+"""End-to-end benchmark: the sidecar against an in-process Dynamo worker doing the same work, in one run.
 
-    python -m bench.e2e            # full run (~5 min on 2 cores): writes docs/performance/ and docs/performance.md
-    python -m bench.e2e --pin      # the same, the engine on a CPU of its own: docs/performance/pinned/ and its block
-    python -m bench.e2e --quick    # smoke run (< 1 min): same paths and checks, small loads, results in a temp dir
+    python -m bench.e2e --pin      # the whole run (< 12 min on 2 cores): docs/performance/ and docs/performance.md
+    python -m bench.e2e --quick    # smoke run (< 1 min): same paths, rows and checks, small loads, a temp dir
+    python -m bench.e2e --memory-only   # the memory rows alone, printed
 
 Everything runs on loopback from this one command, with one real Dynamo frontend (``python -m dynamo.frontend``):
 
 * **A — in-process baseline**: ``bench._e2e_worker``, a plain uvloop Dynamo worker that yields the engine's tokens
-  itself, one chunk per token, registered like the sidecar (served as ``bench-a``);
-* **B — the sidecar**: frontend → ``openengine-sidecar`` → ``openengine-mock --speedup 0`` (served as ``bench-b``);
-* **C — engine ceiling**: ``bench._e2e_ceiling``, our OpenEngine client reading the same mock directly.
+  itself, one chunk per engine message (5 tokens per message: 5-token chunks, "A5"), sleeping the mock's decode steps
+  when the mock is paced; registered like the sidecar (served as ``bench-a``);
+* **B — the sidecar**: frontend → ``openengine-sidecar`` → ``openengine-mock`` (served as ``bench-b``);
+* **C — our engine client alone** (saturated rows): ``bench._e2e_ceiling`` reading the same mock directly, no
+  Dynamo; under ``--pin`` off the engine's CPU; a ceiling where it is above A and B (checked per row);
+* **R** (``--sidecar-tree NAME=DIR``): the sidecar of another checkout, beside B in the same rounds.
 
-Per engine message size (``--stream-interval`` 1 and 5 tokens) a fresh mock and sidecar are started, and for each
-concurrency the paths run A, B, C, A, B, C (rounds, interleaved; the medians are reported), each from a fresh client
-process (``bench._e2e_load`` for A and B: the OpenAI client, streaming chat completions with ``ignore_eos`` and a
-fixed ``max_tokens``). Every request uses one
-of a few seeds, so every path carries the same token streams; the expected streams come from the mock itself (path
-C, one request per seed) and every response of every path is checked against them — count, text, finish reason,
-usage. A run with a lost, failed or mis-ordered request says so and exits 1.
+Rows: *saturated* (``--speedup 0``, the engine sending 1 and 5 tokens per message; concurrency 16, 64, 256) and
+*paced* (``--speedup 1 --decode-ms-per-token 10`` and ``20``, one token per message; concurrency 16 and 64), each
+point run as A, B, (R,) C, A, B, … (rounds interleaved, medians reported), each from a fresh client process. Every
+request uses one of a few seeds, so every path carries the same token streams; every response of every path is
+checked against the engine's own (count, text, finish reason, usage). A lost, failed or mis-ordered request makes
+the run exit 1. Then the memory rows: 1,000 requests held in flight at once, through the sidecar and through worker
+A, warm (after the other rows) and cold (a fresh process).
 
-``--pin`` (the fair side-by-side): the engine -- the mock, and path C, which only reads it -- runs on the last CPU,
-everything of paths A and B (frontend, baseline worker, sidecar, load clients, this orchestrator) on the others, as in
-production, where the engine's process has cores of its own and its CPU does not come out of the sidecar's.
-
-Figures: steady-state output tokens/s (tokens delivered between the first request's end and the last request's
-start), TTFT and ITL p50/p99 (ITL per request = (last token − first token) / (tokens − 1), as aiperf), tokens per
-chunk as the client saw them, CPU seconds per 1,000 output tokens of the sidecar (``/proc/<pid>/stat``, all threads)
-and of the other processes, sidecar RSS idle and peak under load. Then two runs on a paced mock (``--speedup 1``):
-concurrency 1 at 10 ms per token against the baseline sleeping as long (the latency the sidecar adds per token), and
-1,000 requests held in flight at once (100 ms per step) for the RSS per in-flight request — of the sidecar and of the
-baseline worker, whose growth is what Dynamo's binding itself costs. Every request and every run is bounded.
+The run ends with one line per goal: ``goal <name>: <measured> (target <op> <target>) met|MISSED``.
 """
 
 from __future__ import annotations
@@ -40,6 +33,7 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,16 +46,9 @@ from typing import Any, Final
 
 import trio
 
-from bench._e2e_common import (
-    MODEL_A,
-    MODEL_B,
-    PROMPT,
-    Stream,
-    Table,
-    jsonable,
-    process_cpu_s,
-    process_rss_bytes,
-)
+from bench._e2e_common import MODEL_A, MODEL_B, PROMPT, Stream, Table, jsonable, process_cpu_s, process_rss_bytes
+from sidecar.testing.mock.config import MockConfig
+from sidecar.testing.mock.engine import _BATCH_SLOWDOWN as MOCK_BATCH_SLOWDOWN  # worker A mirrors the mock's steps
 from sidecar.testing.mock.lm import MODEL_DIR
 from tests.helpers.processes import (
     DynamoEnv,
@@ -77,12 +64,10 @@ MiB: Final = 2**20
 ROOT: Final = Path(__file__).resolve().parent.parent
 DOCS: Final = ROOT / "docs" / "performance.md"
 DOCS_DIR: Final = ROOT / "docs" / "performance"
-BEGIN: Final = "<!-- bench.e2e results: begin (generated by `python -m bench.e2e`; do not edit by hand) -->"
-END: Final = "<!-- bench.e2e results: end -->"
-BEGIN_PINNED: Final = (
-    "<!-- bench.e2e --pin results: begin (generated by `python -m bench.e2e --pin`; do not edit by hand) -->"
-)
-END_PINNED: Final = "<!-- bench.e2e --pin results: end -->"
+BEGIN: Final = "<!-- bench.e2e --pin results: begin (generated by `python -m bench.e2e --pin`; do not edit by hand) -->"
+END: Final = "<!-- bench.e2e --pin results: end -->"
+#: The run before the data-path work (issue #30), kept: every later run's block shows its goals beside these.
+BASELINE: Final = DOCS_DIR / "baseline-c096775.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +85,8 @@ class Pinning:
         return cls(frozenset(cpus[-1:]), frozenset(cpus[:-1]))
 
     def describe(self) -> str:
-        return f"engine (mock, path C) on CPU {_cpus(self.engine)}, everything else on CPU {_cpus(self.work)}"
+        engine, work = _cpus(self.engine), _cpus(self.work)
+        return f"the mock on CPU {engine}, everything else (path C's client included) on CPU {work}"
 
 
 def _cpus(cpus: frozenset[int]) -> str:
@@ -113,6 +99,8 @@ PINNING: Pinning | None = None
 #: measured in the same rounds as B (A B R C), for a before/after in one run.
 REF_TREE: tuple[str, Path] | None = None
 MODEL_REF: Final = "bench-b-ref"
+#: A fresh worker A for the memory rows' cold baseline.
+MODEL_A_COLD: Final = "bench-a-cold"
 
 
 def pin_process(pid: int, cpus: frozenset[int]) -> None:
@@ -129,74 +117,156 @@ TOTAL_KV_BLOCKS: Final = 262144
 MAX_RUNNING: Final = 1024
 MAX_BATCHED_TOKENS: Final = 8192
 
-GOAL_RATIO: Final = 1.0
-GOAL_ADDED_ITL_MS: Final = 1.0
-GOAL_CPU_PER_1K: Final = 0.1
-GOAL_IDLE_RSS_MIB: Final = 150.0
-GOAL_PER_REQUEST_KIB: Final = 12.0  # the sidecar's own part: its growth minus the baseline worker's (Dynamo's binding)
-GOAL_US_PER_MESSAGE: Final = 30.0  # sidecar CPU per engine message, 1 token per message, c=64
+
+@dataclass(frozen=True, slots=True)
+class Goal:
+    """One goal of issue #30: ``name``, ``op`` ("≤" or "≥") ``target``, printed with ``digits`` decimals."""
+
+    name: str
+    op: str
+    target: float
+    digits: int
+    what: str
+
+    def met(self, value: float) -> bool:
+        return math.isfinite(value) and (value <= self.target if self.op == "≤" else value >= self.target)
+
+    def line(self, value: float) -> str:
+        """``goal <name>: <measured> (target <op> <target>) met|MISSED`` -- the run's last lines, parsed by tests."""
+        shown = f"{value:.{self.digits}f}" if math.isfinite(value) else "nan"
+        verdict = "met" if self.met(value) else "MISSED"
+        return f"goal {self.name}: {shown} (target {self.op} {self.target:.{self.digits}f}) {verdict}"
+
+
+GOALS: Final = (
+    Goal("paced_gap_p50_ratio", "≤", 1.10, 2, "B/A event-gap p50, worst paced row"),
+    Goal("paced_gap_p99_ratio", "≤", 1.20, 2, "B/A event-gap p99, worst paced row"),
+    Goal("paced_tokens_per_event", "≤", 1.2, 2, "B's tokens per SSE event, worst paced row"),
+    Goal("paced_cpu_per_token_ratio", "≤", 1.5, 2, "sidecar CPU per token / worker A's, paced, c=64, 10 ms/token"),
+    Goal("saturated_equal_chunk_ratio", "≥", 0.9, 2, "B/A5 throughput, 5 tokens per message, worst of c=16, 64"),
+    Goal("saturated_us_per_message", "≤", 25.0, 1, "sidecar CPU µs per engine message, c=64, 1 token per message"),
+    Goal("memory_kib_per_request", "≤", 45.0, 1, "sidecar RSS per in-flight request (KiB), 1,000 in flight"),
+)
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
+    #: Saturated rows: tokens per engine message, concurrencies, rounds (A B C interleaved; medians).
     intervals: list[int]
     concurrencies: list[int]
-    #: Each (interval, concurrency) runs A, B, C this many times, interleaved; the figures are the medians.
     rounds: int
     max_tokens: int
     seeds: list[int]
     min_requests: int
     requests_per_slot: int
     warmup_requests: int
-    #: Paced engine (``--speedup 1``, this many ms per decode step), concurrency 1: the added per-token latency.
-    paced_ms: float
-    paced_requests: int
+    #: Paced rows (one token per message): ms per decode step at batch 1, concurrencies, rounds.
+    paced_ms: list[float]
+    paced_concurrencies: list[int]
+    paced_rounds: int
     paced_max_tokens: int
+    paced_min_requests: int
+    paced_requests_per_slot: int
+    #: The rows each goal covers.
+    equal_chunk_concurrencies: list[int]
+    us_per_message_concurrency: int
+    cpu_ratio_row: tuple[float, int]  # (ms per token, concurrency)
     #: Memory: this many requests in flight at once on a slow engine (``memory_decode_ms`` per step), held for
-    #: ``hold_s``, then cancelled.
+    #: ``hold_s``, then cancelled; RSS read ``settle_s`` after a warm-up or an end.
     memory_requests: int
     memory_max_tokens: int
     memory_decode_ms: float
     hold_s: float
+    settle_s: float
 
     def requests(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_slot * concurrency)
 
+    def paced_requests(self, concurrency: int) -> int:
+        return max(self.paced_min_requests, self.paced_requests_per_slot * concurrency)
+
 
 FULL: Final = Plan(
     intervals=[1, 5],
-    concurrencies=[1, 16, 64, 256],
+    concurrencies=[16, 64, 256],
     rounds=2,
     max_tokens=200,
     seeds=list(range(1000, 1008)),
-    min_requests=48,
+    min_requests=320,  # long enough to be steady at c=16 and 64 (a few seconds)
     requests_per_slot=3,
     warmup_requests=32,
-    paced_ms=10.0,
-    paced_requests=16,
-    paced_max_tokens=50,
+    paced_ms=[10.0, 20.0],
+    paced_concurrencies=[16, 64],
+    paced_rounds=2,
+    paced_max_tokens=200,
+    paced_min_requests=32,
+    paced_requests_per_slot=2,
+    equal_chunk_concurrencies=[16, 64],
+    us_per_message_concurrency=64,
+    cpu_ratio_row=(10.0, 64),
     memory_requests=1000,
     memory_max_tokens=2000,
     memory_decode_ms=100.0,
     hold_s=3.0,
+    settle_s=1.0,
 )
 QUICK: Final = Plan(
     intervals=[1, 5],
-    concurrencies=[1, 16],
+    concurrencies=[16],
     rounds=1,
     max_tokens=32,
     seeds=list(range(1000, 1004)),
-    min_requests=12,
-    requests_per_slot=2,
+    min_requests=16,
+    requests_per_slot=1,
     warmup_requests=8,
-    paced_ms=10.0,
-    paced_requests=2,
-    paced_max_tokens=20,
+    paced_ms=[10.0],
+    paced_concurrencies=[16],
+    paced_rounds=1,
+    paced_max_tokens=16,
+    paced_min_requests=16,
+    paced_requests_per_slot=1,
+    equal_chunk_concurrencies=[16],
+    us_per_message_concurrency=16,
+    cpu_ratio_row=(10.0, 16),
     memory_requests=50,
     memory_max_tokens=2000,
     memory_decode_ms=100.0,
-    hold_s=1.0,
+    hold_s=0.5,
+    settle_s=0.3,
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One point of the run: saturated (``pace_ms`` 0, ``interval`` tokens per engine message) or paced."""
+
+    interval: int
+    pace_ms: float
+    concurrency: int
+
+    @property
+    def paced(self) -> bool:
+        return self.pace_ms > 0
+
+    def label(self) -> str:
+        if self.paced:
+            return f"paced {self.pace_ms:g} ms/token c={self.concurrency}"
+        return f"saturated {self.interval} tok/msg c={self.concurrency}"
+
+    def matches(self, point: dict[str, Any]) -> bool:
+        return (point["interval"], point["pace_ms"], point["concurrency"]) == (
+            self.interval,
+            self.pace_ms,
+            self.concurrency,
+        )
+
+
+def saturated_rows(plan: Plan) -> list[Row]:
+    return [Row(i, 0.0, c) for i in plan.intervals for c in plan.concurrencies]
+
+
+def paced_rows(plan: Plan) -> list[Row]:
+    return [Row(1, ms, c) for ms in plan.paced_ms for c in plan.paced_concurrencies]
 
 
 @dataclass(slots=True)
@@ -223,7 +293,7 @@ class Sampler:
 
 @dataclass(slots=True)
 class Stack:
-    """The processes of one run; ``sidecar``/``mock`` change per engine message size."""
+    """The processes of one run; ``sidecar``/``mock`` change per block of rows."""
 
     denv: DynamoEnv
     frontend: Frontend
@@ -233,7 +303,6 @@ class Stack:
     mock: Process | None = None
     mock_target: str = ""
     sampler: Sampler | None = None
-    interval: int = 1
     #: ``--sidecar-tree``: the same sidecar from another checkout, served as ``bench-b-ref`` (path ``R``), and its mock.
     sidecar_ref: Process | None = None
     mock_ref: Process | None = None
@@ -241,14 +310,10 @@ class Stack:
 
     def pids(self) -> dict[str, int]:
         pids = {"frontend": self.frontend.process.pid, "worker_a": self.worker_a.pid}
-        if self.sidecar is not None:
-            pids["sidecar"] = self.sidecar.pid
-        if self.sidecar_ref is not None:
-            pids["sidecar_ref"] = self.sidecar_ref.pid
-        if self.mock_ref is not None:
-            pids["mock_ref"] = self.mock_ref.pid
-        if self.mock is not None:
-            pids["mock"] = self.mock.pid
+        for name in ("sidecar", "sidecar_ref", "mock", "mock_ref"):
+            process = getattr(self, name)
+            if process is not None:
+                pids[name] = process.pid
         return pids
 
 
@@ -267,12 +332,13 @@ def log(*parts: object) -> None:
 
 
 async def start_mock(
-    stack: Stack, stack_exit: AsyncExitStack, interval: int, slow_ms: float | None = None, ref: bool = False
+    stack: Stack, stack_exit: AsyncExitStack, interval: int, pace_ms: float = 0.0, ref: bool = False
 ) -> None:
-    """The mock engine (with ``ref``: a second one, identical but for its served name, for path R's sidecar -- two
-    sidecars on one engine would both register its name as an alias, and Dynamo refuses the second)."""
+    """The mock engine (``pace_ms`` 0: no model time), pinned to the engine's CPU under ``--pin``. With ``ref``: a
+    second one, identical but for its served name, for path R's sidecar -- two sidecars on one engine would both
+    register its name as an alias, and Dynamo refuses the second."""
     port_file = stack.work / f"mock-{interval}-{time.monotonic_ns()}.port"
-    timing = ["--speedup", "0"] if slow_ms is None else ["--speedup", "1", "--decode-ms-per-token", str(slow_ms)]
+    timing = ["--speedup", "0"] if pace_ms <= 0 else ["--speedup", "1", "--decode-ms-per-token", f"{pace_ms:g}"]
     argv = [
         sys.executable, "-m", "sidecar.testing.mock", "--profile", "trtllm", "--port", "0",
         "--port-file", str(port_file), *timing, "--stream-interval", str(interval),
@@ -298,12 +364,13 @@ async def start_mock(
 
 
 async def start_sidecar(
-    stack: Stack, stack_exit: AsyncExitStack, nursery: trio.Nursery, extra: tuple[str, ...] = (), ref: bool = False
+    stack: Stack, stack_exit: AsyncExitStack, nursery: trio.Nursery, interval: int, pace_ms: float, ref: bool
 ) -> None:
-    """The sidecar under test (and, with ``ref`` and ``--sidecar-tree``, the reference one beside it)."""
+    """The sidecar under test on ``stack.mock`` (and, with ``ref`` and ``--sidecar-tree``, the reference one beside
+    it, on a mock of its own started here with the same timing)."""
     argv = [
         sys.executable, "-m", "sidecar", "--grpc-endpoint", stack.mock_target, "--model-path", str(MODEL_DIR),
-        "--served-model-name", MODEL_B, "--log-level", "warning", *extra,
+        "--served-model-name", MODEL_B, "--log-level", "warning",
     ]  # fmt: skip
     stack.sidecar = await stack_exit.enter_async_context(
         start_process(argv, stack.denv.worker_env(), log_path=stack.denv.log_path("sidecar"), stop_grace=10)
@@ -313,10 +380,10 @@ async def start_sidecar(
     nursery.start_soon(stack.sampler.run)
     if ref and REF_TREE is not None:
         tree = REF_TREE[1]
-        await start_mock(stack, stack_exit, stack.interval, ref=True)
+        await start_mock(stack, stack_exit, interval, pace_ms, ref=True)
         argv = [
             sys.executable, "-m", "sidecar", "--grpc-endpoint", stack.mock_ref_target, "--model-path", str(MODEL_DIR),
-            "--served-model-name", MODEL_REF, "--component", "sidecarref", "--log-level", "warning", *extra,
+            "--served-model-name", MODEL_REF, "--component", "sidecarref", "--log-level", "warning",
         ]  # fmt: skip
         env = {**stack.denv.worker_env(), "PYTHONPATH": str(tree)}
         stack.sidecar_ref = await stack_exit.enter_async_context(
@@ -328,22 +395,14 @@ async def start_sidecar(
 # ------------------------------------------------------------------------------------------------ children
 
 
-async def run_child(
-    module: str, config: dict[str, Any], work: Path, bound_s: float, cpus: frozenset[int] | None = None
-) -> dict[str, Any]:
-    """Run ``python -m module CONFIG.json`` (at most ``bound_s``; on ``cpus`` if given); its last stdout line is the
-    JSON result."""
+async def run_child(module: str, config: dict[str, Any], work: Path, bound_s: float) -> dict[str, Any]:
+    """Run ``python -m module CONFIG.json`` (at most ``bound_s``; on this process's CPUs); its last stdout line is
+    the JSON result."""
     path = work / f"{module.rsplit('.', 1)[-1]}-{time.monotonic_ns()}.json"
     path.write_text(json.dumps(config))
-    # Affinity only; trio starts the child from a fresh fork, where setting it cannot deadlock.
-    preexec = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
     with trio.fail_after(bound_s):
         done = await trio.run_process(
-            [sys.executable, "-m", module, str(path)],
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
-            preexec_fn=preexec,
+            [sys.executable, "-m", module, str(path)], capture_stdout=True, capture_stderr=True, check=False
         )
     if done.returncode != 0:
         raise RuntimeError(f"{module} failed ({done.returncode}):\n{done.stderr.decode(errors='replace')[-4000:]}")
@@ -351,81 +410,83 @@ async def run_child(
     return result
 
 
-def load_config(url: str, model: str, plan: Plan, table: Path, concurrency: int, requests: int) -> dict[str, Any]:
+def worker_a_annotations(interval: int, pace_ms: float) -> list[str]:
+    """What tells worker A the engine's shape (``bench._e2e_worker.Shape``): its tokens per message and, paced, the
+    mock's step model (``decode_ms × (1 + (batch − 1) / slowdown)`` after a prefill at the mock's rate)."""
+    shape = [f"tokens_per_message:{interval}"]
+    if pace_ms > 0:
+        shape += [f"pace_ms:{pace_ms:g}", f"batch_slowdown:{MOCK_BATCH_SLOWDOWN:g}",
+                  f"prefill_tokens_per_s:{MockConfig().prefill_tokens_per_s:g}"]  # fmt: skip
+    return shape
+
+
+def load_config(
+    url: str, model: str, table: Path, concurrency: int, requests: int, max_tokens: int, seeds: list[int]
+) -> dict[str, Any]:
     return {
         "url": url,
         "model": model,
         "concurrency": concurrency,
         "requests": requests,
-        "max_tokens": plan.max_tokens,
-        "seeds": plan.seeds,
+        "max_tokens": max_tokens,
+        "seeds": seeds,
         "table": str(table),
         "timeout_s": 120.0,
         "deadline_s": 240.0,
     }
 
 
-async def measure(
-    stack: Stack, path: str, interval: int, concurrency: int, requests: int, plan: Plan, table: Path
-) -> dict[str, Any]:
+#: What a point keeps of its client's result (the rest of the point is the servers' CPU around it).
+_RESULT_KEYS: Final = (
+    "completed", "failed", "lost", "errors", "tokens", "tokens_per_s", "elapsed_s", "ttft_p50_ms", "ttft_p99_ms",
+    "itl_p50_ms", "itl_p99_ms", "tokens_per_event", "gap_p50_ms", "gap_p90_ms", "gap_p99_ms", "worst_gap_p50_ms",
+    "worst_gap_p99_ms",
+)  # fmt: skip
+
+
+async def measure(stack: Stack, row: Row, path: str, plan: Plan, table: Path) -> dict[str, Any]:
     """One point: run the path's client process, and account the servers' CPU and the sidecar's RSS around it."""
+    requests = plan.paced_requests(row.concurrency) if row.paced else plan.requests(row.concurrency)
+    max_tokens = plan.paced_max_tokens if row.paced else plan.max_tokens
     pids = stack.pids()
     cpu0 = {name: process_cpu_s(pid) for name, pid in pids.items()}
     t0 = time.monotonic()
     if path == "C":
         config = {
-            "target": stack.mock_target,
-            "mode": "load",
-            "prompt_ids": Table.load(table).prompt_ids,
-            "max_tokens": plan.max_tokens,
-            "seeds": plan.seeds,
-            "concurrency": concurrency,
-            "requests": requests,
-            "table": str(table),
-            "timeout_s": 120.0,
-            "deadline_s": 240.0,
-        }
-        engine_cpus = PINNING.engine if PINNING is not None else None
-        result = await run_child("bench._e2e_ceiling", config, stack.work, 300, engine_cpus)
+            "target": stack.mock_target, "mode": "load", "prompt_ids": Table.load(table).prompt_ids,
+            "max_tokens": max_tokens, "seeds": plan.seeds, "concurrency": row.concurrency, "requests": requests,
+            "table": str(table), "timeout_s": 120.0, "deadline_s": 240.0,
+        }  # fmt: skip
+        result = await run_child("bench._e2e_ceiling", config, stack.work, 300)
     else:
         model = {"A": MODEL_A, "B": MODEL_B, "R": MODEL_REF}[path]
-        config = load_config(stack.frontend.url, model, plan, table, concurrency, requests)
+        config = load_config(stack.frontend.url, model, table, row.concurrency, requests, max_tokens, plan.seeds)
+        if path == "A":
+            config["annotations"] = worker_a_annotations(row.interval, row.pace_ms)
         result = await run_child("bench._e2e_load", config, stack.work, 300)
     t1 = time.monotonic()
     cpu = {name: process_cpu_s(pid) - cpu0[name] for name, pid in pids.items()}
     tokens = result["tokens"] or math.nan
     point: dict[str, Any] = {
         "path": path,
-        "interval": interval,
-        "concurrency": concurrency,
+        "interval": row.interval,
+        "pace_ms": row.pace_ms,
+        "concurrency": row.concurrency,
         "requests": requests,
-        "completed": result["completed"],
-        "failed": result["failed"],
-        "lost": result["lost"],
-        "errors": result["errors"],
-        "tokens": result["tokens"],
-        "tokens_per_s": result["tokens_per_s"],
-        "tokens_per_s_overall": result["tokens"] / result["elapsed_s"] if result["elapsed_s"] else math.nan,
-        "ttft_p50_ms": result["ttft_p50_ms"],
-        "ttft_p99_ms": result["ttft_p99_ms"],
-        "itl_p50_ms": result["itl_p50_ms"],
-        "itl_p99_ms": result["itl_p99_ms"],
-        "tokens_per_chunk": result["tokens_per_chunk"],
-        "elapsed_s": result["elapsed_s"],
-        "cpu_s_per_1k_tokens": {name: 1000 * value / tokens for name, value in cpu.items()},
-        "client_cpu_s_per_1k_tokens": 1000 * result["client_cpu_s"] / tokens,
+        **{key: result[key] for key in _RESULT_KEYS},
+        "cpu_us_per_token": {name: 1e6 * value / tokens for name, value in cpu.items()},
+        "client_cpu_us_per_token": 1e6 * result["client_cpu_s"] / tokens,
     }
     if path == "B" and stack.sampler is not None:
         point["sidecar_rss_peak_mib"] = stack.sampler.peak(t0, t1) / MiB
     bad = result["failed"] or result["lost"] or result["completed"] != requests
     status = "FAILED " + "; ".join(result["errors"]) if bad else "ok"
-    own = {"B": "sidecar", "R": "sidecar_ref"}.get(path)
-    sidecar_cpu = point["cpu_s_per_1k_tokens"].get(own, math.nan) if own else math.nan
+    own = {"A": "worker_a", "B": "sidecar", "R": "sidecar_ref"}.get(path)
     log(
-        f"  {path} s={interval} c={concurrency:<4} {result['tokens_per_s']:8.0f} tok/s  "
-        f"TTFT p50 {result['ttft_p50_ms']:7.1f} ms  ITL p50 {result['itl_p50_ms']:6.2f} ms  "
-        f"{result['tokens_per_chunk']:5.1f} tok/chunk"
-        + (f"  sidecar {sidecar_cpu:.3f} CPU-s/1k tok" if own else "")
+        f"  {path} {row.label():<28} {result['tokens_per_s']:7.0f} tok/s  {result['tokens_per_event']:5.2f} tok/event"
+        f"  gap p50/p99 {result['gap_p50_ms']:6.1f}/{result['gap_p99_ms']:6.1f} ms  TTFT p50 "
+        f"{result['ttft_p50_ms']:7.1f} ms"
+        + (f"  {own} {point['cpu_us_per_token'][own]:5.1f} µs/tok" if own else "")
         + f"  [{result['completed']}/{requests} {status}]"
     )
     return point
@@ -464,124 +525,136 @@ async def learn_prompt(stack: Stack, record: Path) -> list[int]:
 
 async def warm_up(stack: Stack, plan: Plan, table: Path, models: tuple[str, ...], max_tokens: int) -> None:
     for model in models:
-        config = load_config(stack.frontend.url, model, plan, table, 4, plan.warmup_requests)
-        config["max_tokens"] = max_tokens
+        config = load_config(stack.frontend.url, model, table, 8, plan.warmup_requests, max_tokens, plan.seeds)
         result = await run_child("bench._e2e_load", config, stack.work, 120)
         if result["failed"] or result["completed"] != plan.warmup_requests:
             raise RuntimeError(f"warm-up through {model} failed: {result['errors']}")
 
 
+async def run_rows(
+    stack: Stack, plan: Plan, table: Path, rows: list[Row], paths: str, rounds: int
+) -> list[dict[str, Any]]:
+    points: list[dict[str, Any]] = []
+    for row in rows:
+        runs: dict[str, list[dict[str, Any]]] = {path: [] for path in paths}
+        for _ in range(rounds):  # A B C A B C …: the machine's drift hits every path alike
+            for path in paths:
+                runs[path].append(await measure(stack, row, path, plan, table))
+        points.extend(merge_runs(runs[path]) for path in paths)
+    return points
+
+
 async def hold_many(
-    stack: Stack,
-    plan: Plan,
-    table: Path,
-    model: str,
-    sampler: Sampler,
-    annotations: list[str],
-    max_tokens: int,
-    *,
-    warm: bool,
-) -> tuple[int, int, dict[str, Any]]:
-    """RSS (from ``sampler``) after a warm-up (``warm``), and while ``memory_requests`` requests are in flight."""
+    stack: Stack, plan: Plan, table: Path, model: str, sampler: Sampler, annotations: list[str], max_tokens: int,
+    *, warm: bool,
+) -> tuple[int, int, dict[str, Any]]:  # fmt: skip
+    """RSS (from ``sampler``) idle (after a warm-up with ``warm``), and while ``memory_requests`` requests are in
+    flight."""
     if warm:
-        config = load_config(stack.frontend.url, model, plan, table, plan.warmup_requests, plan.warmup_requests)
-        config.update({"max_tokens": max_tokens, "hold_s": 0.5, "annotations": annotations})
+        config = load_config(stack.frontend.url, model, table, plan.warmup_requests, plan.warmup_requests,
+                             max_tokens, plan.seeds)  # fmt: skip
+        config.update({"hold_s": 0.5, "annotations": annotations})
         await run_child("bench._e2e_load", config, stack.work, 120)
-        await trio.sleep(1.0)
-    idle_warm = process_rss_bytes(sampler.pid)
-    config = load_config(stack.frontend.url, model, plan, table, plan.memory_requests, plan.memory_requests)
-    config.update({"max_tokens": max_tokens, "hold_s": plan.hold_s, "timeout_s": 180.0,
-                   "deadline_s": 180.0, "annotations": annotations})  # fmt: skip
+        await trio.sleep(plan.settle_s)
+    idle = process_rss_bytes(sampler.pid)
+    config = load_config(stack.frontend.url, model, table, plan.memory_requests, plan.memory_requests, max_tokens,
+                         plan.seeds)  # fmt: skip
+    config.update({"hold_s": plan.hold_s, "timeout_s": 180.0, "deadline_s": 180.0, "annotations": annotations})
     result = await run_child("bench._e2e_load", config, stack.work, 240)
     held_from, held_to = result.get("all_arrived"), result.get("released")
     if held_from is None or held_to is None:
         raise RuntimeError(f"not every request got a token ({result['failed']} failed): {result['errors'][:2]}")
-    return idle_warm, sampler.median(held_from + 0.2, held_to), result
+    return idle, sampler.median(held_from + 0.2, held_to), result
 
 
-async def memory_test(stack: Stack, plan: Plan, table: Path) -> dict[str, Any]:
-    """Sidecar RSS idle, then with ``memory_requests`` requests in flight at once (slow mock), then after; and the
-    same for the baseline worker (paced at 1 s per token), whose growth is what Dynamo's binding itself costs."""
+async def baseline_memory(
+    stack: Stack, plan: Plan, table: Path, nursery: trio.Nursery, pid: int, model: str, *, warm: bool
+) -> dict[str, Any]:
+    """Worker A (process ``pid``, served as ``model``) holding ``memory_requests`` requests, one token a second: its
+    growth per request is what Dynamo's binding itself costs per in-flight request, whatever the worker does."""
+    sampler = Sampler(pid)
+    nursery.start_soon(sampler.run)
+    try:
+        # The table's streams only (max_tokens of the saturated rows).
+        idle, in_flight, result = await hold_many(
+            stack, plan, table, model, sampler, ["pace_ms:1000"], plan.max_tokens, warm=warm
+        )
+    finally:
+        sampler.scope.cancel()
+    return {
+        "peak_in_flight": result["peak_in_flight"],
+        "failed": result["failed"],
+        "idle_rss_mib": idle / MiB,
+        "in_flight_rss_mib": in_flight / MiB,
+        "per_request_kib": (in_flight - idle) / plan.memory_requests / 1024,
+    }
+
+
+async def memory_test(stack: Stack, plan: Plan, table: Path, nursery: trio.Nursery) -> dict[str, Any]:
+    """Sidecar RSS idle, then with ``memory_requests`` requests in flight at once (slow mock), then after; then worker
+    A's growth the same way: *warm*, the worker that served every row (up to 256 in flight), and *cold*, a fresh
+    worker A with the same short warm-up as the sidecar got -- the like-for-like baseline."""
     assert stack.sidecar is not None
     assert stack.sampler is not None
     pid = stack.sidecar.pid
-    await trio.sleep(1.0)
+    await trio.sleep(plan.settle_s)
     idle_fresh = process_rss_bytes(pid)
     idle_warm, in_flight, result = await hold_many(
         stack, plan, table, MODEL_B, stack.sampler, [], plan.memory_max_tokens, warm=True
     )
-    await trio.sleep(1.0)
+    await trio.sleep(plan.settle_s)
     after = process_rss_bytes(pid)
-    async with trio.open_nursery() as nursery:
-        sampler_a = Sampler(stack.worker_a.pid)
-        nursery.start_soon(sampler_a.run)
-        # The baseline serves the table's streams only (max_tokens of the main runs), one token a second; it has
-        # served every earlier run, so it is warm.
-        idle_a, in_flight_a, result_a = await hold_many(
-            stack, plan, table, MODEL_A, sampler_a, ["pace_ms:1000"], plan.max_tokens, warm=False
-        )
-        sampler_a.scope.cancel()
+    warm_a = await baseline_memory(stack, plan, table, nursery, stack.worker_a.pid, MODEL_A, warm=False)
+    async with start_worker_a(stack.denv, table, stack.work / "record-cold.json", MODEL_A_COLD, "baselinecold") as cold:
+        await wait_for_model(stack.frontend.url, MODEL_A_COLD, timeout=60)
+        cold_a = await baseline_memory(stack, plan, table, nursery, cold.pid, MODEL_A_COLD, warm=True)
     out = {
         "requests": plan.memory_requests,
         "peak_in_flight_seen_by_client": result["peak_in_flight"],
-        "failed": result["failed"],
+        "failed": result["failed"] + warm_a["failed"] + cold_a["failed"],
         "errors": result["errors"],
         "idle_rss_mib": idle_fresh / MiB,
         "idle_rss_after_warmup_mib": idle_warm / MiB,
         "in_flight_rss_mib": in_flight / MiB,
         "after_rss_mib": after / MiB,
         "per_request_kib": (in_flight - idle_warm) / plan.memory_requests / 1024,
-        "baseline_peak_in_flight": result_a["peak_in_flight"],
-        "baseline_idle_rss_mib": idle_a / MiB,
-        "baseline_in_flight_rss_mib": in_flight_a / MiB,
-        "baseline_per_request_kib": (in_flight_a - idle_a) / plan.memory_requests / 1024,
+        "baseline_warm": warm_a,
+        "baseline_cold": cold_a,
     }
     log(
         f"  memory: sidecar idle {out['idle_rss_mib']:.1f} MiB (after warm-up {out['idle_rss_after_warmup_mib']:.1f}),"
         f" {out['peak_in_flight_seen_by_client']} in flight {out['in_flight_rss_mib']:.1f} MiB "
-        f"→ {out['per_request_kib']:.1f} KiB/request; after {out['after_rss_mib']:.1f} MiB; baseline worker "
-        f"{out['baseline_per_request_kib']:.1f} KiB/request ({out['baseline_peak_in_flight']} in flight)"
+        f"→ {out['per_request_kib']:.1f} KiB/request; after {out['after_rss_mib']:.1f} MiB; worker A warm "
+        f"{warm_a['per_request_kib']:.1f}, cold {cold_a['per_request_kib']:.1f} KiB/request"
     )
     return out
 
 
-async def paced(stack: Stack, plan: Plan, table: Path) -> dict[str, Any]:
-    """Concurrency 1 against an engine with real decode time: what the sidecar adds to each token's latency.
-
-    The baseline worker sleeps ``paced_ms`` before each token (``nvext.annotations: pace_ms``), the mock runs with
-    ``--speedup 1 --decode-ms-per-token paced_ms`` (one sequence: each step lasts exactly that)."""
-    out: dict[str, Any] = {"pace_ms": plan.paced_ms}
-    for path, model in (("A", MODEL_A), ("B", MODEL_B)):
-        config = load_config(stack.frontend.url, model, plan, table, 1, plan.paced_requests)
-        config["max_tokens"] = plan.paced_max_tokens
-        if path == "A":
-            config["annotations"] = [f"pace_ms:{plan.paced_ms:g}"]
-        result = await run_child("bench._e2e_load", config, stack.work, 300)
-        keys = ("completed", "failed", "lost", "errors", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-                "tokens_per_chunk")  # fmt: skip
-        out[path] = {key: result[key] for key in keys}
-        out[path]["requests"] = plan.paced_requests
-        status = "FAILED " + "; ".join(result["errors"]) if result["failed"] else "ok"
-        log(
-            f"  paced {path} c=1: TTFT p50 {result['ttft_p50_ms']:.1f} ms, ITL p50 {result['itl_p50_ms']:.2f} ms "
-            f"p99 {result['itl_p99_ms']:.2f} ms, {result['tokens_per_chunk']:.2f} tok/chunk "
-            f"[{result['completed']}/{plan.paced_requests} {status}]"
-        )
-    out["added_itl_p50_ms"] = out["B"]["itl_p50_ms"] - out["A"]["itl_p50_ms"]
-    out["added_ttft_p50_ms"] = out["B"]["ttft_p50_ms"] - out["A"]["ttft_p50_ms"]
-    return out
+def start_worker_a(
+    denv: DynamoEnv, table: Path, record: Path, model: str, component: str
+) -> contextlib.AbstractAsyncContextManager[Process]:
+    argv = [
+        sys.executable, "-m", "bench._e2e_worker", "--model-path", str(MODEL_DIR), "--served-model-name", model,
+        "--component", component, "--table", str(table), "--record", str(record),
+        "--context-length", str(CONTEXT_LENGTH), "--kv-block-size", str(KV_BLOCK_SIZE),
+        "--total-kv-blocks", str(TOTAL_KV_BLOCKS), "--max-num-seqs", str(MAX_RUNNING),
+        "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
+    ]  # fmt: skip
+    return start_process(argv, denv.worker_env(), log_path=denv.log_path(component), ready="READY")
 
 
 async def run(plan: Plan, out: Path, memory_only: bool = False) -> dict[str, Any]:
-    """Start the stack, measure every point, the paced run and the memory test; return everything measured.
-    ``memory_only``: the memory test alone (after building the expected streams it checks against).
+    """Start the stack, measure every row and the memory rows; return everything measured. ``memory_only``: the
+    memory rows alone (after building the expected streams they check against).
 
-    What was measured so far is written to ``out/e2e.partial.json`` after each block; a failing paced or memory
-    run is recorded (``error``) instead of ending the run."""
+    What was measured so far is written to ``out/e2e.partial.json`` after each block; a failing memory block is
+    recorded (``error``) instead of ending the run."""
     started = time.monotonic()
-    data: dict[str, Any] = {"points": [], "idle_rss_mib": {}, "paced": None, "memory": None}
+    data: dict[str, Any] = {"points": [], "idle_rss_mib": {}, "memory": None}
     points: list[dict[str, Any]] = data["points"]
     idle: dict[str, float] = data["idle_rss_mib"]
+    paths = "AB" + ("R" if REF_TREE is not None else "")
+    models = (MODEL_A, MODEL_B, MODEL_REF) if REF_TREE is not None else (MODEL_A, MODEL_B)
 
     def save() -> None:
         data["elapsed_s"] = time.monotonic() - started
@@ -593,61 +666,40 @@ async def run(plan: Plan, out: Path, memory_only: bool = False) -> dict[str, Any
         table, record = work / "table.json", work / "record.json"
         async with AsyncExitStack() as outer, trio.open_nursery() as nursery:
             frontend = await outer.enter_async_context(start_frontend(denv))
-            argv = [
-                sys.executable, "-m", "bench._e2e_worker", "--model-path", str(MODEL_DIR),
-                "--served-model-name", MODEL_A, "--table", str(table), "--record", str(record),
-                "--context-length", str(CONTEXT_LENGTH), "--kv-block-size", str(KV_BLOCK_SIZE),
-                "--total-kv-blocks", str(TOTAL_KV_BLOCKS), "--max-num-seqs", str(MAX_RUNNING),
-                "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
-            ]  # fmt: skip
-            worker_a = await outer.enter_async_context(
-                start_process(argv, denv.worker_env(), log_path=denv.log_path("worker-a"), ready="READY")
-            )
+            worker_a = await outer.enter_async_context(start_worker_a(denv, table, record, MODEL_A, "baseline"))
             await wait_for_model(frontend.url, MODEL_A, timeout=60)
             stack = Stack(denv, frontend, worker_a, work)
             prompt_ids = await learn_prompt(stack, record)
             log(f"frontend {frontend.url}; prompt {len(prompt_ids)} tokens; worker A pid {worker_a.pid}")
-            if memory_only:
+            async with AsyncExitStack() as block:
+                await start_mock(stack, block, 1)
+                await build_table(stack, plan, prompt_ids, table)
+                _drop_block(stack)
+            blocks: list[tuple[int, float, list[Row]]] = []
+            if not memory_only:
+                blocks += [(i, 0.0, [r for r in saturated_rows(plan) if r.interval == i]) for i in plan.intervals]
+                blocks += [(1, ms, [r for r in paced_rows(plan) if r.pace_ms == ms]) for ms in plan.paced_ms]
+            for interval, pace_ms, rows in blocks:
                 async with AsyncExitStack() as block:
-                    await start_mock(stack, block, 1)
-                    await build_table(stack, plan, prompt_ids, table)
-                    _drop_block(stack)
-            for interval in [] if memory_only else plan.intervals:
-                async with AsyncExitStack() as block:
-                    stack.interval = interval
-                    await start_mock(stack, block, interval)
-                    if not table.exists():
-                        await build_table(stack, plan, prompt_ids, table)
-                    await start_sidecar(stack, block, nursery, ref=True)
+                    await start_mock(stack, block, interval, pace_ms)
+                    await start_sidecar(stack, block, nursery, interval, pace_ms, ref=True)
                     assert stack.sidecar is not None
                     await trio.sleep(1.0)
-                    idle[f"s={interval}"] = process_rss_bytes(stack.sidecar.pid) / MiB
-                    log(f"engine messages of {interval} token(s): mock {stack.mock_target}, sidecar pid "
-                        f"{stack.sidecar.pid}, idle RSS {idle[f's={interval}']:.1f} MiB")  # fmt: skip
-                    paths = "ABRC" if REF_TREE is not None else "ABC"
-                    models = (MODEL_A, MODEL_B, MODEL_REF) if REF_TREE is not None else (MODEL_A, MODEL_B)
-                    await warm_up(stack, plan, table, models, plan.max_tokens)
-                    for concurrency in plan.concurrencies:
-                        requests = plan.requests(concurrency)
-                        runs: dict[str, list[dict[str, Any]]] = {path: [] for path in paths}
-                        for _ in range(plan.rounds):  # A B C A B C …: the machine's drift hits every path alike
-                            for path in paths:
-                                runs[path].append(
-                                    await measure(stack, path, interval, concurrency, requests, plan, table)
-                                )
-                        points.extend(merge_runs(runs[path]) for path in paths)
+                    name = rows[0].label().rsplit(" c=", 1)[0]
+                    idle[name] = process_rss_bytes(stack.sidecar.pid) / MiB
+                    log(f"{name}: mock {stack.mock_target}, sidecar pid {stack.sidecar.pid}, idle RSS "
+                        f"{idle[name]:.1f} MiB")  # fmt: skip
+                    # Paced: a short warm-up (every step takes model time); the rows' own streams are longer.
+                    await warm_up(stack, plan, table, models[1:] if pace_ms else models,
+                                  8 if pace_ms else plan.max_tokens)  # fmt: skip
+                    rounds = plan.paced_rounds if pace_ms else plan.rounds
+                    points.extend(await run_rows(stack, plan, table, rows, paths if pace_ms else paths + "C", rounds))
                     _drop_block(stack)
                 save()
-            if not memory_only:
-                pacing = await _guarded_block(stack, nursery, plan.paced_ms, lambda: paced(stack, plan, table))
-                data["paced"] = pacing if "error" not in pacing else _failed_paced(plan, pacing["error"])
-                save()
-            # The sidecar's defaults: openengine-mock sets no HTTP/2 stream limit per connection (as grpcio), and
-            # Control RPCs have a connection of their own, so 1,000 streams on 8 connections need no extra flag.
-            memory = await _guarded_block(
-                stack, nursery, plan.memory_decode_ms, lambda: memory_test(stack, plan, table)
-            )
-            data["memory"] = memory if "error" not in memory else _failed_memory(plan, memory["error"])
+            memory = await _guarded_block(stack, nursery, lambda: memory_test(stack, plan, table, nursery), plan)
+            if "error" in memory:
+                memory = _failed_memory(plan, memory["error"])
+            data["memory"] = memory
             save()
             nursery.cancel_scope.cancel()
     data["elapsed_s"] = time.monotonic() - started
@@ -655,17 +707,13 @@ async def run(plan: Plan, out: Path, memory_only: bool = False) -> dict[str, Any
 
 
 async def _guarded_block(
-    stack: Stack,
-    nursery: trio.Nursery,
-    decode_ms: float,
-    body: Callable[[], Awaitable[dict[str, Any]]],
-    sidecar_args: tuple[str, ...] = (),
+    stack: Stack, nursery: trio.Nursery, body: Callable[[], Awaitable[dict[str, Any]]], plan: Plan
 ) -> dict[str, Any]:
-    """A fresh paced mock (``--speedup 1``, ``decode_ms`` per step) and sidecar for ``body``; a failure is recorded."""
+    """A fresh slow mock (``memory_decode_ms`` per step) and sidecar for ``body``; a failure is recorded."""
     try:
         async with AsyncExitStack() as block:
-            await start_mock(stack, block, 1, slow_ms=decode_ms)
-            await start_sidecar(stack, block, nursery, sidecar_args)
+            await start_mock(stack, block, 1, plan.memory_decode_ms)
+            await start_sidecar(stack, block, nursery, 1, plan.memory_decode_ms, ref=False)
             try:
                 return await body()
             finally:
@@ -689,14 +737,14 @@ def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
             merged[key] = [error for run in runs for error in run[key]][:5]
         elif isinstance(value, dict):
             merged[key] = {k: _median([run[key].get(k, math.nan) for run in runs]) for k in value}
-        elif isinstance(value, float):
+        elif isinstance(value, float) and key != "pace_ms":
             merged[key] = _median([run[key] for run in runs])
     merged["rounds"] = len(runs)
     merged["tokens_per_s_rounds"] = [run["tokens_per_s"] for run in runs]
     return merged
 
 
-def _median(values: list[float]) -> float:
+def _median(values: list[float | None]) -> float:
     finite = sorted(v for v in values if v is not None and math.isfinite(v))
     if not finite:
         return math.nan
@@ -704,22 +752,12 @@ def _median(values: list[float]) -> float:
     return finite[mid] if len(finite) % 2 else (finite[mid - 1] + finite[mid]) / 2
 
 
-_LATENCY_KEYS: Final = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tokens_per_chunk")
-
-
-def _failed_paced(plan: Plan, error: str) -> dict[str, Any]:
-    empty = {"requests": plan.paced_requests, "completed": 0, "failed": plan.paced_requests, "lost": 0,
-             "errors": [error], **dict.fromkeys(_LATENCY_KEYS, math.nan)}  # fmt: skip
-    return {"error": error, "pace_ms": plan.paced_ms, "A": empty, "B": dict(empty),
-            "added_itl_p50_ms": math.nan, "added_ttft_p50_ms": math.nan}  # fmt: skip
-
-
 def _failed_memory(plan: Plan, error: str) -> dict[str, Any]:
-    keys = ("idle_rss_mib", "idle_rss_after_warmup_mib", "in_flight_rss_mib", "after_rss_mib", "per_request_kib",
-            "baseline_idle_rss_mib", "baseline_in_flight_rss_mib", "baseline_per_request_kib")  # fmt: skip
+    keys = ("idle_rss_mib", "idle_rss_after_warmup_mib", "in_flight_rss_mib", "after_rss_mib", "per_request_kib")
     return {"error": error, "requests": plan.memory_requests, "peak_in_flight_seen_by_client": 0,
-            "baseline_peak_in_flight": 0, "failed": plan.memory_requests, "errors": [error],
-            **dict.fromkeys(keys, math.nan)}  # fmt: skip
+            "failed": plan.memory_requests, "errors": [error], **dict.fromkeys(keys, math.nan),
+            "baseline_warm": {"per_request_kib": math.nan, "failed": 0},
+            "baseline_cold": {"per_request_kib": math.nan, "failed": 0}}  # fmt: skip
 
 
 def _drop_block(stack: Stack) -> None:
@@ -732,66 +770,79 @@ def _drop_block(stack: Stack) -> None:
 # ------------------------------------------------------------------------------------------------ reporting
 
 
-def _point(points: list[dict[str, Any]], path: str, interval: int, concurrency: int) -> dict[str, Any]:
-    return next(p for p in points if (p["path"], p["interval"], p["concurrency"]) == (path, interval, concurrency))
+def _point(points: list[dict[str, Any]], path: str, row: Row) -> dict[str, Any]:
+    """The point of ``path`` at ``row``; an empty one (every figure NaN) if it was not measured."""
+    found = next((p for p in points if p["path"] == path and row.matches(p)), None)
+    return found if found is not None else {"cpu_us_per_token": {}}
 
 
-def _ratio(a: float | None, b: float | None) -> float:
-    return a / b if a is not None and b and math.isfinite(a) and math.isfinite(b) else math.nan
+def _get(point: dict[str, Any], key: str) -> float:
+    value = point.get(key)
+    return float(value) if isinstance(value, int | float) else math.nan
+
+
+def _cpu(point: dict[str, Any], process: str) -> float:
+    value = point["cpu_us_per_token"].get(process)
+    return float(value) if isinstance(value, int | float) else math.nan
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if math.isfinite(a) and math.isfinite(b) and b else math.nan
 
 
 def summarize(plan: Plan, data: dict[str, Any]) -> dict[str, Any]:
-    """Ratios per (interval, concurrency) and the goals, each met or missed."""
+    """Ratios per row and the goals, each the worst over the rows it covers."""
     points = data["points"]
-    rows = []
-    for interval in plan.intervals:
-        for c in plan.concurrencies:
-            a, b, cc = (_point(points, path, interval, c) for path in "ABC")
-            rows.append(
-                {
-                    "interval": interval,
-                    "concurrency": c,
-                    "b_over_a": _ratio(b["tokens_per_s"], a["tokens_per_s"]),
-                    "b_over_c": _ratio(b["tokens_per_s"], cc["tokens_per_s"]),
-                    "added_itl_p50_ms": b["itl_p50_ms"] - a["itl_p50_ms"],
-                    "added_ttft_p50_ms": b["ttft_p50_ms"] - a["ttft_p50_ms"],
-                }
-            )
-    goals = []
-    for row in rows:
-        if row["concurrency"] in (64, 256):
-            goals.append(_goal(f"throughput B/A ≥ {GOAL_RATIO:g} at c={row['concurrency']}, "
-                               f"{row['interval']} tok/msg", row["b_over_a"], "≥", GOAL_RATIO))  # fmt: skip
-        if row["concurrency"] == 1:
-            goals.append(_goal(f"added ITL p50 B − A at c=1, {row['interval']} tok/msg (ms)",
-                               row["added_itl_p50_ms"], "≤", GOAL_ADDED_ITL_MS))  # fmt: skip
-    pacing = data["paced"]
-    goals.append(_goal(f"added ITL p50 B − A at c=1, engine paced at {pacing['pace_ms']:g} ms/token (ms)",
-                       pacing["added_itl_p50_ms"], "≤", GOAL_ADDED_ITL_MS))  # fmt: skip
-    for interval in plan.intervals:
-        if 64 in plan.concurrencies:
-            cpu = _point(points, "B", interval, 64)["cpu_s_per_1k_tokens"].get("sidecar", math.nan)
-            goals.append(_goal(f"sidecar CPU-s per 1k tokens at c=64, {interval} tok/msg", cpu, "≤", GOAL_CPU_PER_1K))
-            if interval == 1:  # one message per token: CPU per 1k tokens is CPU per 1k messages
-                goals.append(_goal("sidecar CPU µs per engine message at c=64, 1 tok/msg", 1000 * cpu, "≤",
-                                   GOAL_US_PER_MESSAGE))  # fmt: skip
-    idle = max(data["idle_rss_mib"].values(), default=math.nan)
+    rows: list[dict[str, Any]] = []
+    for row in saturated_rows(plan):
+        a, b, c = (_point(points, path, row) for path in "ABC")
+        rows.append({
+            "label": row.label(), "interval": row.interval, "pace_ms": 0.0, "concurrency": row.concurrency,
+            "b_over_a": _ratio(_get(b, "tokens_per_s"), _get(a, "tokens_per_s")),
+            "b_over_c": _ratio(_get(b, "tokens_per_s"), _get(c, "tokens_per_s")),
+            "c_is_ceiling": _get(c, "tokens_per_s") >= max(_get(a, "tokens_per_s"), _get(b, "tokens_per_s")),
+            "sidecar_us_per_message": _cpu(b, "sidecar") * row.interval,
+        })  # fmt: skip
+    for row in paced_rows(plan):
+        a, b = (_point(points, path, row) for path in "AB")
+        rows.append({
+            "label": row.label(), "interval": 1, "pace_ms": row.pace_ms, "concurrency": row.concurrency,
+            "b_over_a": _ratio(_get(b, "tokens_per_s"), _get(a, "tokens_per_s")),
+            **{f"{key}_ratio": _ratio(_get(b, key), _get(a, key))
+               for key in ("gap_p50_ms", "gap_p90_ms", "gap_p99_ms", "worst_gap_p99_ms")},
+            "cpu_per_token_ratio": _ratio(_cpu(b, "sidecar"), _cpu(a, "worker_a")),
+        })  # fmt: skip
+    paced = [r for r in rows if r["pace_ms"] > 0]
+    saturated = [r for r in rows if r["pace_ms"] == 0]
+
+    def worst(values: list[float], op: str) -> float:
+        if not values or not all(math.isfinite(v) for v in values):
+            return math.nan
+        return max(values) if op == "≤" else min(values)
+
+    tokens_per_event = [_get(_point(points, "B", Row(1, r["pace_ms"], r["concurrency"])), "tokens_per_event")
+                        for r in paced]  # fmt: skip
+    equal_chunk = [r["b_over_a"] for r in saturated if r["interval"] == 5 and r["concurrency"] in
+                   plan.equal_chunk_concurrencies]  # fmt: skip
+    us_per_message = [r["sidecar_us_per_message"] for r in saturated
+                      if (r["interval"], r["concurrency"]) == (1, plan.us_per_message_concurrency)]  # fmt: skip
+    cpu_row = plan.cpu_ratio_row
     memory = data["memory"]
-    if math.isfinite(memory["idle_rss_mib"]):
-        idle = max(idle, memory["idle_rss_mib"])
-    goals.append(_goal("idle sidecar RSS (MiB)", idle, "≤", GOAL_IDLE_RSS_MIB))
-    own = memory["per_request_kib"] - memory["baseline_per_request_kib"]
-    goals.append(_goal(f"sidecar's own KiB per in-flight request at {memory['requests']} (minus the baseline's)", own,
-                       "≤", GOAL_PER_REQUEST_KIB))  # fmt: skip
-    counted = [*points, pacing["A"], pacing["B"]]
-    bad = sum(p["requests"] - p["completed"] for p in counted) + memory["failed"]
-    goals.append(_goal("requests lost, failed or mis-ordered", float(bad), "≤", 0.0))
+    values = {
+        "paced_gap_p50_ratio": worst([r["gap_p50_ms_ratio"] for r in paced], "≤"),
+        "paced_gap_p99_ratio": worst([r["gap_p99_ms_ratio"] for r in paced], "≤"),
+        "paced_tokens_per_event": worst(tokens_per_event, "≤"),
+        "paced_cpu_per_token_ratio": worst(
+            [r["cpu_per_token_ratio"] for r in paced if (r["pace_ms"], r["concurrency"]) == cpu_row], "≤"
+        ),
+        "saturated_equal_chunk_ratio": worst(equal_chunk, "≥"),
+        "saturated_us_per_message": worst(us_per_message, "≤"),
+        "memory_kib_per_request": float(memory["per_request_kib"]),
+    }
+    goals = [{"name": g.name, "value": values[g.name], "op": g.op, "target": g.target, "met": g.met(values[g.name]),
+              "what": g.what, "line": g.line(values[g.name])} for g in GOALS]  # fmt: skip
+    bad = sum(p["requests"] - p["completed"] for p in points) + memory["failed"]
     return {"rows": rows, "goals": goals, "bad_requests": bad}
-
-
-def _goal(name: str, value: float, op: str, target: float) -> dict[str, Any]:
-    met = value >= target if op == "≥" else value <= target
-    return {"goal": name, "value": value, "op": op, "target": target, "met": bool(met and math.isfinite(value))}
 
 
 def _f(value: float | None, digits: int = 0) -> str:
@@ -800,104 +851,194 @@ def _f(value: float | None, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
 
-def markdown(plan: Plan, data: dict[str, Any], summary: dict[str, Any], images: list[str]) -> str:
-    """The generated results section of docs/performance.md (the pinned run's, with ``--pin``)."""
+def _pair(a: dict[str, Any], b: dict[str, Any], key: str, digits: int) -> str:
+    return f"{_f(_get(a, key), digits)} / {_f(_get(b, key), digits)}"
+
+
+def _table(columns: str, align: str, rows: list[list[str]]) -> list[str]:
+    """A Markdown table: ``columns`` separated by ``|``, ``align`` one letter per column (``r`` right, ``l`` left)."""
+    titles = [title.strip() for title in columns.split("|")]
+    assert len(titles) == len(align), (titles, align)
+    lines = ["| " + " | ".join(titles) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return lines
+
+
+def tables(plan: Plan, data: dict[str, Any], summary: dict[str, Any]) -> list[str]:
+    """The figures as Markdown tables (also what the console shows)."""
     points = data["points"]
-    pinning = data.get("pinning")
-    lines = [BEGIN_PINNED if pinning else BEGIN, ""]
-    machine = data["machine"]
-    lines.append(
-        f"Run of {data['date']}{' (pinned: ' + pinning + ')' if pinning else ''}: {machine['cpus']} CPUs, load "
-        f"average {machine['load_before']} before and "
-        f"{machine['load_after']} after; {plan.max_tokens} output tokens per request, {len(plan.seeds)} seeds, "
-        f"requests per point and round = max({plan.min_requests}, {plan.requests_per_slot} × concurrency), "
-        f"{plan.rounds} rounds ({'A B R C' if data.get('ref_tree') else 'A B C'} interleaved; medians); total "
-        f"{data['elapsed_s']:.0f} s."
-    )
-    lines.append("")
-    for interval in plan.intervals:
-        lines.append(f"**{interval} token(s) per engine message**")
-        lines.append("")
-        lines.append("| c | tok/s A | tok/s B | tok/s C | B/A | B/C | TTFT p50 A / B / C ms | TTFT p99 A / B ms "
-                     "| ITL p50 A / B / C ms | ITL p99 A / B ms | tok/chunk A / B | sidecar CPU-s/1k tok "
-                     "| A worker CPU-s/1k tok | mock CPU-s/1k tok (B) | sidecar RSS peak MiB |")  # fmt: skip
-        lines.append("|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---:|---:|---:|---:|")
-        for c in plan.concurrencies:
-            a, b, cc = (_point(points, path, interval, c) for path in "ABC")
-            row = next(r for r in summary["rows"] if (r["interval"], r["concurrency"]) == (interval, c))
-            lines.append(
-                f"| {c} | {_f(a['tokens_per_s'])} | {_f(b['tokens_per_s'])} | {_f(cc['tokens_per_s'])} "
-                f"| {_f(row['b_over_a'], 2)} | {_f(row['b_over_c'], 2)} "
-                f"| {_f(a['ttft_p50_ms'], 1)} / {_f(b['ttft_p50_ms'], 1)} / {_f(cc['ttft_p50_ms'], 1)} "
-                f"| {_f(a['ttft_p99_ms'], 1)} / {_f(b['ttft_p99_ms'], 1)} "
-                f"| {_f(a['itl_p50_ms'], 2)} / {_f(b['itl_p50_ms'], 2)} / {_f(cc['itl_p50_ms'], 3)} "
-                f"| {_f(a['itl_p99_ms'], 2)} / {_f(b['itl_p99_ms'], 2)} "
-                f"| {_f(a['tokens_per_chunk'], 1)} / {_f(b['tokens_per_chunk'], 1)} "
-                f"| {_f(b['cpu_s_per_1k_tokens'].get('sidecar'), 3)} "
-                f"| {_f(a['cpu_s_per_1k_tokens'].get('worker_a'), 3)} | {_f(b['cpu_s_per_1k_tokens'].get('mock'), 3)} "
-                f"| {_f(b.get('sidecar_rss_peak_mib'), 1)} |"
-            )
-        lines.append("")
-        if REF_TREE is not None or any(p["path"] == "R" for p in points):
-            lines.extend(_ref_table(plan, points, interval, data.get("ref_tree", "")))
-    pacing = data["paced"]
-    a, b = pacing["A"], pacing["B"]
-    lines.append(
-        f"**Engine paced at {pacing['pace_ms']:g} ms per token, concurrency 1** ({plan.paced_requests} requests of "
-        f"{plan.paced_max_tokens} tokens): TTFT p50 A {_f(a['ttft_p50_ms'], 1)} / B {_f(b['ttft_p50_ms'], 1)} ms, "
-        f"ITL p50 A {_f(a['itl_p50_ms'], 2)} / B {_f(b['itl_p50_ms'], 2)} ms (p99 {_f(a['itl_p99_ms'], 2)} / "
-        f"{_f(b['itl_p99_ms'], 2)}), tokens per chunk A {_f(a['tokens_per_chunk'], 2)} / B "
-        f"{_f(b['tokens_per_chunk'], 2)}: the sidecar adds **{_f(pacing['added_itl_p50_ms'], 3)} ms** per token (p50)."
-    )
-    if "error" in pacing:
-        lines.append(f"The paced run failed: `{pacing['error'][:300]}`")
-    lines.append("")
+    rows = {r["label"]: r for r in summary["rows"]}
+    saturated, cpu, paced = [], [], []
+    for row in saturated_rows(plan):
+        a, b, c = (_point(points, path, row) for path in "ABC")
+        s = rows[row.label()]
+        saturated.append([
+            str(row.interval), str(row.concurrency), _f(_get(a, "tokens_per_s")), _f(_get(b, "tokens_per_s")),
+            _f(_get(c, "tokens_per_s")), _f(s["b_over_a"], 2),
+            _f(s["b_over_c"], 2) + ("" if s["c_is_ceiling"] else " †"),
+            _pair(a, b, "tokens_per_event", 2), _pair(a, b, "gap_p50_ms", 2), _pair(a, b, "gap_p99_ms", 1),
+            _pair(a, b, "worst_gap_p99_ms", 1), _pair(a, b, "ttft_p50_ms", 1), _pair(a, b, "itl_p50_ms", 2),
+        ])  # fmt: skip
+        cpu.append([
+            str(row.interval), str(row.concurrency), _f(_cpu(a, "worker_a"), 1), _f(_cpu(b, "sidecar"), 1),
+            _f(s["sidecar_us_per_message"], 1), f"{_f(_cpu(a, 'frontend'), 1)} / {_f(_cpu(b, 'frontend'), 1)}",
+            _f(_cpu(b, "mock"), 1), _pair(a, b, "client_cpu_us_per_token", 1),
+            _f(_get(c, "client_cpu_us_per_token"), 1), _f(_get(b, "sidecar_rss_peak_mib"), 1),
+        ])  # fmt: skip
+    for row in paced_rows(plan):
+        a, b = (_point(points, path, row) for path in "AB")
+        s = rows[row.label()]
+        paced.append([
+            f"{row.pace_ms:g}", str(row.concurrency), _pair(a, b, "tokens_per_s", 0),
+            _pair(a, b, "tokens_per_event", 2),
+            _pair(a, b, "gap_p50_ms", 1), _f(s["gap_p50_ms_ratio"], 2), _pair(a, b, "gap_p90_ms", 1),
+            _pair(a, b, "gap_p99_ms", 1), _f(s["gap_p99_ms_ratio"], 2), _pair(a, b, "worst_gap_p50_ms", 1),
+            _pair(a, b, "worst_gap_p99_ms", 1), _pair(a, b, "ttft_p50_ms", 1), _pair(a, b, "itl_p50_ms", 2),
+            f"{_f(_cpu(a, 'worker_a'), 1)} / {_f(_cpu(b, 'sidecar'), 1)}", _f(s["cpu_per_token_ratio"], 2),
+            _f(_cpu(b, "mock"), 1), _pair(a, b, "client_cpu_us_per_token", 1),
+        ])  # fmt: skip
+    lines = [
+        "**Saturated** (`--speedup 0`: the engine as fast as it goes; A and B carry the same tokens per engine "
+        "message, A one chunk per message): throughput, and what the client saw.",
+        "",
+        *_table("tok/msg | c | tok/s A | tok/s B | tok/s C | B/A | B/C | tok/event A / B | event gap p50 A / B ms "
+                "| gap p99 A / B ms | worst gap per request p99 A / B ms | TTFT p50 A / B ms | ITL p50 A / B ms",
+                "rrrrrrrllllll", saturated),
+        "",
+        "Saturated, CPU µs per output token (each process over the path's own run; the load client's apart, not in any"
+        " ratio):",
+        "",
+        *_table("tok/msg | c | worker A (A's run) | sidecar (B's run) | sidecar µs per engine message | frontend A / B "
+                "| mock (B's run) | load client A / B | C's client | sidecar RSS peak MiB", "rrrrrlrlrr", cpu),
+        "",
+        "**Paced** (`--speedup 1 --decode-ms-per-token X`, one token per message; worker A sleeps the mock's steps, "
+        "X × (1 + (batch − 1)/64), on absolute deadlines): what a user feels, and CPU per token at a realistic rate.",
+        "",
+        *_table("ms/token | c | tok/s A / B | tok/event A / B | event gap p50 A / B ms | B/A | gap p90 A / B ms "
+                "| gap p99 A / B ms | B/A | worst gap per request p50 A / B ms | p99 A / B ms | TTFT p50 A / B ms "
+                "| ITL p50 A / B ms | CPU µs/token worker A / sidecar | sidecar / A | mock µs/token "
+                "| load client A / B",
+                "rrlllrllrlllllrrl", paced),
+        "",
+    ]  # fmt: skip
+    if any(p["path"] == "R" for p in points):
+        lines += _ref_table(plan, points, data.get("ref_tree", "R"))
     memory = data["memory"]
     if "error" in memory:
-        lines.append(f"The memory run failed: `{memory['error'][:300]}`")
-    lines.append(
-        f"Sidecar memory: idle {_f(memory['idle_rss_mib'], 1)} MiB (fresh), "
-        f"{_f(memory['idle_rss_after_warmup_mib'], 1)} MiB after a warm-up; "
-        f"{memory['peak_in_flight_seen_by_client']} requests in flight at once: "
-        f"{_f(memory['in_flight_rss_mib'], 1)} MiB → **{_f(memory['per_request_kib'], 1)} KiB per request**; "
-        f"{_f(memory['after_rss_mib'], 1)} MiB once they were cancelled. The in-process baseline worker, holding "
-        f"{memory['baseline_peak_in_flight']} requests the same way: {_f(memory['baseline_idle_rss_mib'], 1)} → "
-        f"{_f(memory['baseline_in_flight_rss_mib'], 1)} MiB, **{_f(memory['baseline_per_request_kib'], 1)} KiB per "
-        f"request** — what Dynamo's binding itself costs per in-flight request; the sidecar's own part: "
-        f"**{_f(memory['per_request_kib'] - memory['baseline_per_request_kib'], 1)} KiB per request**."
+        lines += [f"The memory rows failed: `{memory['error'][:300]}`", ""]
+    warm, cold = memory["baseline_warm"]["per_request_kib"], memory["baseline_cold"]["per_request_kib"]
+    total = memory["per_request_kib"]
+    lines += [
+        f"**Memory**, {memory['requests']} requests in flight at once (mock at {plan.memory_decode_ms:g} ms per "
+        f"step; worker A one token a second): sidecar idle {_f(memory['idle_rss_mib'], 1)} MiB fresh, "
+        f"{_f(memory['idle_rss_after_warmup_mib'], 1)} MiB after a warm-up, {_f(memory['in_flight_rss_mib'], 1)} MiB "
+        f"with {memory['peak_in_flight_seen_by_client']} in flight → **{_f(total, 1)} KiB per request**, "
+        f"{_f(memory['after_rss_mib'], 1)} MiB once they were cancelled. Worker A holding as many (its growth is what "
+        f"Dynamo's binding costs per in-flight request, whatever the worker does): **{_f(warm, 1)} KiB** warm (after "
+        f"the other rows, up to 256 in flight), **{_f(cold, 1)} KiB** cold (a fresh worker A with the sidecar's "
+        f"short warm-up: the like-for-like baseline). The sidecar's own part: **{_f(total - warm, 1)} "
+        f"KiB** against the warm baseline, **{_f(total - cold, 1)} KiB** against the cold one.",
+        "",
+    ]
+    return lines
+
+
+def _ref_table(plan: Plan, points: list[dict[str, Any]], name: str) -> list[str]:
+    """Path B against path R (the sidecar from ``--sidecar-tree``), measured in the same rounds."""
+    cells = []
+    for row in [*saturated_rows(plan), *paced_rows(plan)]:
+        b, r = _point(points, "B", row), _point(points, "R", row)
+        cells.append([
+            row.label(), _pair(b, r, "tokens_per_s", 0),
+            _f(_ratio(_get(b, "tokens_per_s"), _get(r, "tokens_per_s")), 2),
+            _pair(b, r, "tokens_per_event", 2), _pair(b, r, "gap_p50_ms", 1), _pair(b, r, "gap_p99_ms", 1),
+            f"{_f(_cpu(b, 'sidecar'), 1)} / {_f(_cpu(r, 'sidecar_ref'), 1)}",
+        ])  # fmt: skip
+    return [
+        f"B against R (the sidecar of `{name}`, on a mock of its own, same rounds):",
+        "",
+        *_table("row | tok/s B / R | B/R | tok/event B / R | event gap p50 B / R ms | gap p99 B / R ms "
+                "| sidecar CPU µs/token B / R", "llrllll", cells),
+        "",
+    ]  # fmt: skip
+
+
+def header(plan: Plan, data: dict[str, Any]) -> str:
+    machine = data["machine"]
+    pinning = data.get("pinning")
+    paced = "A B R" if data.get("ref_tree") else "A B"
+    order = "A B R C" if data.get("ref_tree") else "A B C"
+    return (
+        f"Run of {data['date']} on `{data['commit']}` (sidecar/ last changed in `{data['sidecar_commit']}`"
+        f"{', with uncommitted changes' if data['sidecar_dirty'] else ''}); "
+        f"{'pinned: ' + pinning if pinning else 'not pinned: everything shares every CPU'}; {machine['cpus']} CPUs, "
+        f"shared with other work: load average {machine['load_before']} before and {machine['load_after']} after. "
+        f"Saturated: {plan.max_tokens} output tokens per request, max({plan.min_requests}, {plan.requests_per_slot} × "
+        f"c) requests per point and round; paced: {plan.paced_max_tokens} tokens, max({plan.paced_min_requests}, "
+        f"{plan.paced_requests_per_slot} × c) requests; {plan.rounds} rounds of {order} interleaved (paced: "
+        f"{plan.paced_rounds} of {paced}), medians; {len(plan.seeds)} seeds; every response checked; "
+        f"{summary_bad(data)} requests lost, failed or mis-ordered; total {data['elapsed_s']:.0f} s."
     )
-    lines.append("")
-    lines.append("| goal | measured | target | |")
-    lines.append("|---|---:|---:|---|")
-    for goal in summary["goals"]:
-        lines.append(f"| {goal['goal']} | {_f(goal['value'], 3)} | {goal['op']} {goal['target']:g} "
-                     f"| {'met' if goal['met'] else '**missed**'} |")  # fmt: skip
-    lines.append("")
-    lines.extend(f"![{Path(image).stem}]({image})" for image in images)
-    lines.extend(["", END_PINNED if pinning else END])
+
+
+def summary_bad(data: dict[str, Any]) -> int:
+    return int(data["summary"]["bad_requests"]) if "summary" in data else 0
+
+
+def ceiling_note(summary: dict[str, Any]) -> str:
+    below = [r["label"] for r in summary["rows"] if r["pace_ms"] == 0 and not r["c_is_ceiling"]]
+    if not below:
+        return "Path C (our engine client alone, off the engine's CPU) was above A and B at every saturated row."
+    return (f"† Path C (our engine client alone, off the engine's CPU) was not above both A and B at "
+            f"{', '.join(below)}: no ceiling there.")  # fmt: skip
+
+
+def markdown(
+    plan: Plan, data: dict[str, Any], summary: dict[str, Any], images: list[str], *, markers: bool = True
+) -> str:
+    """The generated results block of docs/performance.md (without ``markers``: the same figures as plain text)."""
+    lines = [BEGIN, ""] if markers else []
+    lines += [header(plan, data), ""]
+    lines += tables(plan, data, summary)
+    lines += [ceiling_note(summary), ""]
+    lines += against_baseline(summary, data)
+    lines += ["Goals (each the worst over the rows it covers):", "", "```"]
+    lines += [goal["line"] for goal in summary["goals"]]
+    lines += ["```"]
+    if images:
+        lines += ["", *(f"![{Path(image).stem}]({image})" for image in images)]
+    if markers:
+        lines += ["", END]
     return "\n".join(lines)
 
 
-def _ref_table(plan: Plan, points: list[dict[str, Any]], interval: int, name: str) -> list[str]:
-    """Path B against path R (the sidecar from ``--sidecar-tree``), measured in the same rounds."""
-    lines = [
-        f"B against R (the sidecar of `{name}`, same mock, same rounds), {interval} token(s) per engine message:",
+def against_baseline(summary: dict[str, Any], data: dict[str, Any]) -> list[str]:
+    """The goals of this run beside those of the baseline run kept in ``BASELINE`` (none if that is this run)."""
+    if not BASELINE.exists():
+        return []
+    baseline = json.loads(BASELINE.read_text())
+    if (baseline.get("date"), baseline.get("commit")) == (data.get("date"), data.get("commit")):
+        return []
+    before = {goal["name"]: goal["value"] for goal in baseline["summary"]["goals"]}
+    now = {goal["name"]: goal["value"] for goal in summary["goals"]}
+    cells = [[f"`{goal.name}`", _f(before.get(goal.name), goal.digits), _f(now[goal.name], goal.digits),
+              f"{goal.op} {goal.target:g}"] for goal in GOALS]  # fmt: skip
+    return [
+        f"Against the baseline (`{BASELINE.relative_to(ROOT)}`: run of {baseline['date']}, sidecar/ of "
+        f"`{baseline['sidecar_commit']}`):",
         "",
-        "| c | tok/s B | tok/s R | B/R | sidecar CPU-s/1k tok B / R | µs per engine message B / R | tok/chunk B / R |",
-        "|---:|---:|---:|---:|---|---|---|",
+        *_table("goal | baseline | this run | target", "lrrl", cells),
+        "",
     ]
-    for c in plan.concurrencies:
-        b, r = _point(points, "B", interval, c), _point(points, "R", interval, c)
-        cpu_b = b["cpu_s_per_1k_tokens"].get("sidecar", math.nan)
-        cpu_r = r["cpu_s_per_1k_tokens"].get("sidecar_ref", math.nan)
-        lines.append(
-            f"| {c} | {_f(b['tokens_per_s'])} | {_f(r['tokens_per_s'])} | "
-            f"{_f(_ratio(b['tokens_per_s'], r['tokens_per_s']), 2)} | {_f(cpu_b, 3)} / {_f(cpu_r, 3)} | "
-            f"{_f(1000 * cpu_b * interval, 1)} / {_f(1000 * cpu_r * interval, 1)} | "
-            f"{_f(b['tokens_per_chunk'], 1)} / {_f(r['tokens_per_chunk'], 1)} |"
-        )
-    lines.append("")
-    return lines
+
+
+def render(path: Path) -> str:
+    """The results block of a saved ``e2e.json``, as plain text (no run; ``--render``)."""
+    data = json.loads(path.read_text())
+    values = dict(data["plan"])
+    values["cpu_ratio_row"] = tuple(values["cpu_ratio_row"])
+    plan = Plan(**values)
+    return markdown(plan, data, data["summary"], [], markers=False)
 
 
 def plots(plan: Plan, data: dict[str, Any], out: Path) -> list[Path]:
@@ -905,39 +1046,41 @@ def plots(plan: Plan, data: dict[str, Any], out: Path) -> list[Path]:
     from bench._plot import Panel, save_figure
 
     points = data["points"]
-    x = [str(c) for c in plan.concurrencies]
+    names = {"A": "A in-process worker", "B": "B sidecar", "C": "C engine ceiling", "R": "R reference sidecar"}
+    present = [p for p in "ABCR" if any(q["path"] == p for q in points)]
+    sat_x = [str(c) for c in plan.concurrencies]
+    paced = paced_rows(plan)
+    paced_x = [f"{r.pace_ms:g}ms c{r.concurrency}" for r in paced]
 
-    def series(path: str, interval: int, key: str) -> list[float | None]:
-        return [_point(points, path, interval, c)[key] for c in plan.concurrencies]
+    def sat(path: str, interval: int, key: str) -> list[float | None]:
+        return [_get(_point(points, path, Row(interval, 0.0, c)), key) for c in plan.concurrencies]
 
-    def cpu(path: str, interval: int, process: str) -> list[float | None]:
-        return [_point(points, path, interval, c)["cpu_s_per_1k_tokens"].get(process) for c in plan.concurrencies]
+    def pac(path: str, key: str) -> list[float | None]:
+        return [_get(_point(points, path, row), key) for row in paced]
 
-    names = {"A": "A in-process worker", "B": "B sidecar", "C": "C engine ceiling"}
+    def pac_cpu(path: str, process: str) -> list[float | None]:
+        return [_cpu(_point(points, path, row), process) for row in paced]
+
     figures: dict[str, list[Panel]] = {
         "throughput": [
-            Panel(f"Output tokens/s, {i} token(s) per engine message", "tokens/s", "concurrency", x,
-                  {names[p]: series(p, i, "tokens_per_s") for p in "ABC"})
+            Panel(f"Saturated, {i} token(s) per engine message", "output tokens/s", "concurrency", sat_x,
+                  {names[p]: sat(p, i, "tokens_per_s") for p in present})
             for i in plan.intervals
         ],
-        "itl": [
-            Panel(f"ITL p50, {i} token(s) per engine message", "ms (log)", "concurrency", x,
-                  {names[p]: series(p, i, "itl_p50_ms") for p in "ABC"}, log_y=True)
-            for i in plan.intervals
-        ],
-        "ttft": [
-            Panel(f"TTFT p50, {i} token(s) per engine message", "ms (log)", "concurrency", x,
-                  {names[p]: series(p, i, "ttft_p50_ms") for p in "ABC"}, log_y=True)
-            for i in plan.intervals
+        "gaps": [
+            Panel("Paced: gap between text events", "ms (log)", "ms/token, concurrency", paced_x,
+                  {f"{p} {q}": pac(p, f"gap_{q}_ms") for p in "AB" for q in ("p50", "p99")}, log_y=True),
+            Panel("Tokens per SSE event", "tokens", "ms/token, concurrency", paced_x,
+                  {names[p]: pac(p, "tokens_per_event") for p in "AB"}),
         ],
         "cpu": [
-            Panel("CPU seconds per 1,000 output tokens", "CPU-s / 1k tokens", "concurrency", x,
-                  {**{f"B sidecar, {i} tok/msg": cpu("B", i, "sidecar") for i in plan.intervals},
-                   **{f"A worker ({i} tok/msg block)": cpu("A", i, "worker_a") for i in plan.intervals}},
-                  marks={"goal 0.1": GOAL_CPU_PER_1K}),
-            Panel("Tokens per chunk (SSE event) seen by the client", "tokens", "concurrency", x,
-                  {**{f"B sidecar, {i} tok/msg": series("B", i, "tokens_per_chunk") for i in plan.intervals},
-                   "A worker": series("A", plan.intervals[0], "tokens_per_chunk")}),
+            Panel("Paced: CPU us per output token", "us/token", "ms/token, concurrency", paced_x,
+                  {"A worker": pac_cpu("A", "worker_a"), "B sidecar": pac_cpu("B", "sidecar")}),
+            Panel("Saturated: CPU us per output token", "us/token", "concurrency", sat_x,
+                  {**{f"A worker, {i} tok/msg": [_cpu(_point(points, "A", Row(i, 0.0, c)), "worker_a")
+                                                  for c in plan.concurrencies] for i in plan.intervals},
+                   **{f"B sidecar, {i} tok/msg": [_cpu(_point(points, "B", Row(i, 0.0, c)), "sidecar")
+                                                   for c in plan.concurrencies] for i in plan.intervals}}),
         ],
     }  # fmt: skip
     paths = []
@@ -949,53 +1092,32 @@ def plots(plan: Plan, data: dict[str, Any], out: Path) -> list[Path]:
 
 
 def print_report(plan: Plan, data: dict[str, Any], summary: dict[str, Any]) -> None:
-    log()
-    header = f"{'s':>2} {'c':>4} {'A tok/s':>9} {'B tok/s':>9} {'C tok/s':>9} {'B/A':>6} {'B/C':>6} " \
-             f"{'ITL50 A':>8} {'ITL50 B':>8} {'TTFT50 A':>9} {'TTFT50 B':>9} {'sidecar s/1k':>12}"  # fmt: skip
-    log(header)
-    log("-" * len(header))
-    for row in summary["rows"]:
-        i, c = row["interval"], row["concurrency"]
-        a, b, cc = (_point(data["points"], path, i, c) for path in "ABC")
-        log(
-            f"{i:>2} {c:>4} {_f(a['tokens_per_s']):>9} {_f(b['tokens_per_s']):>9} {_f(cc['tokens_per_s']):>9} "
-            f"{_f(row['b_over_a'], 2):>6} {_f(row['b_over_c'], 2):>6} {_f(a['itl_p50_ms'], 2):>8} "
-            f"{_f(b['itl_p50_ms'], 2):>8} {_f(a['ttft_p50_ms'], 1):>9} {_f(b['ttft_p50_ms'], 1):>9} "
-            f"{_f(b['cpu_s_per_1k_tokens'].get('sidecar'), 3):>12}"
-        )
-    for row in summary["rows"]:
-        i, c = row["interval"], row["concurrency"]
-        if any((p["path"], p["interval"], p["concurrency"]) == ("R", i, c) for p in data["points"]):
-            b, r = _point(data["points"], "B", i, c), _point(data["points"], "R", i, c)
-            cpu_b, cpu_r = b["cpu_s_per_1k_tokens"].get("sidecar"), r["cpu_s_per_1k_tokens"].get("sidecar_ref")
-            log(
-                f"s={i} c={c}: B/R {_f(_ratio(b['tokens_per_s'], r['tokens_per_s']), 2)}, sidecar CPU-s/1k tok B "
-                f"{_f(cpu_b, 3)} R {_f(cpu_r, 3)}"
-            )
-    pacing = data["paced"]
-    log(
-        f"paced engine ({pacing['pace_ms']:g} ms/token), c=1: ITL p50 A {_f(pacing['A']['itl_p50_ms'], 2)} "
-        f"B {_f(pacing['B']['itl_p50_ms'], 2)} ms; TTFT p50 A {_f(pacing['A']['ttft_p50_ms'], 1)} "
-        f"B {_f(pacing['B']['ttft_p50_ms'], 1)} ms; B tokens/chunk {_f(pacing['B']['tokens_per_chunk'], 2)}"
-    )
-    log()
+    """The figures, then the goal lines last (nothing is printed after them)."""
+    print(flush=True)
+    print(header(plan, data))
+    print()
+    for line in tables(plan, data, summary):
+        print(line)
+    print(ceiling_note(summary))
+    print()
     for goal in summary["goals"]:
-        log(
-            f"{'met   ' if goal['met'] else 'MISSED'} {goal['goal']}: {_f(goal['value'], 3)} "
-            f"({goal['op']} {goal['target']:g})"
-        )
+        print(goal["line"], flush=True)
 
 
-def update_docs(block: str, pinned: bool = False) -> None:
-    begin, end = (BEGIN_PINNED, END_PINNED) if pinned else (BEGIN, END)
+def update_docs(block: str) -> None:
     text = DOCS.read_text() if DOCS.exists() else "# Performance\n"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        _, tail = rest.split(end, 1)
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
         text = head + block + tail
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     DOCS.write_text(text)
+
+
+def _git(*args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+    return done.stdout.strip() if done.returncode == 0 else "?"
 
 
 def _named_tree(text: str) -> tuple[str, Path]:
@@ -1007,33 +1129,35 @@ def _named_tree(text: str) -> tuple[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run: concurrency 1 and 16, short requests (< 1 min)"
-    )
-    parser.add_argument("--out", type=Path, help="where the JSON and PNGs go [docs/performance; --quick: a temp dir]")
-    parser.add_argument(
-        "--no-docs", action="store_true", help="do not rewrite the results block of docs/performance.md"
-    )
-    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots (they need Pillow)")
-    parser.add_argument(
-        "--memory-only",
-        action="store_true",
-        help="only the memory test (1,000 requests in flight; ~2 min; with --quick 50): printed, docs untouched",
-    )
+    parser.add_argument("--quick", action="store_true", help="smoke run: every row kind, short requests (< 1 min)")
     parser.add_argument(
         "--pin",
         action="store_true",
-        help="the engine (mock, path C) on the last CPU, everything else on the others; results to "
-        "docs/performance/pinned and their own block of docs/performance.md",
+        help="the mock on the last CPU, everything else on the others (the documented run; writes docs/performance/ "
+        "and the results block of docs/performance.md unless --quick or --no-docs)",
+    )
+    parser.add_argument(
+        "--out", type=Path, help="where the JSON and PNGs go [--pin: docs/performance; else a temp dir]"
+    )
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/performance.md")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots (they need Pillow)")
+    parser.add_argument(
+        "--memory-only", action="store_true", help="only the memory rows (1,000 requests in flight; with --quick 50)"
     )
     parser.add_argument(
         "--sidecar-tree",
         type=_named_tree,
         metavar="NAME=DIR",
         help="also run the sidecar imported from DIR (e.g. `git archive main | tar -x -C DIR`) as path R, in the same "
-        "rounds as B (A B R C): the before/after of the sidecar in one run",
+        "rounds as B: the before/after of the sidecar in one run",
+    )
+    parser.add_argument(
+        "--render", type=Path, metavar="E2E_JSON", help="print the results block of a saved e2e.json (no run)"
     )
     args = parser.parse_args(argv)
+    if args.render is not None:
+        print(render(args.render))
+        return 0
     plan = QUICK if args.quick else FULL
     global PINNING, REF_TREE
     REF_TREE = args.sidecar_tree
@@ -1044,12 +1168,12 @@ def main(argv: list[str] | None = None) -> int:
         memory = trio.run(run, plan, Path(tempfile.mkdtemp(prefix="bench-e2e-")), True)["memory"]
         print(json.dumps(jsonable(memory), indent=1))
         return 1 if memory["failed"] or "error" in memory else 0
-    default_out = DOCS_DIR / "pinned" if PINNING is not None else DOCS_DIR
-    out: Path = args.out or (Path(tempfile.mkdtemp(prefix="bench-e2e-")) if args.quick else default_out)
+    documented = PINNING is not None and not args.quick
+    out: Path = args.out or (DOCS_DIR if documented else Path(tempfile.mkdtemp(prefix="bench-e2e-")))
     out.mkdir(parents=True, exist_ok=True)
     load_before = " ".join(f"{v:.2f}" for v in os.getloadavg())
-    log(f"bench.e2e {'quick' if args.quick else 'full'}: intervals {plan.intervals}, concurrency {plan.concurrencies}, "
-        f"{plan.max_tokens} tokens/request; load average {load_before}"
+    log(f"bench.e2e {'quick' if args.quick else 'full'}: saturated {plan.intervals} tok/msg × c {plan.concurrencies}, "
+        f"paced {plan.paced_ms} ms/token × c {plan.paced_concurrencies}; load average {load_before}"
         + (f"; pinned: {PINNING.describe()}" if PINNING is not None else ""))  # fmt: skip
     data = trio.run(run, plan, out)
     if PINNING is not None:
@@ -1058,19 +1182,22 @@ def main(argv: list[str] | None = None) -> int:
         data["ref_tree"] = REF_TREE[0]
     data["plan"] = dataclasses.asdict(plan)
     data["date"] = time.strftime("%Y-%m-%d %H:%M")
+    data["commit"] = _git("rev-parse", "--short", "HEAD")
+    data["sidecar_commit"] = _git("log", "-1", "--format=%h", "--", "sidecar")
+    data["sidecar_dirty"] = bool(_git("status", "--porcelain", "--", "sidecar"))
     data["machine"] = {"cpus": os.cpu_count(), "load_before": load_before,
                        "load_after": " ".join(f"{v:.2f}" for v in os.getloadavg())}  # fmt: skip
     summary = summarize(plan, data)
     data["summary"] = summary
-    print_report(plan, data, summary)
     (out / "e2e.json").write_text(json.dumps(jsonable(data), indent=1))
     (out / "e2e.partial.json").unlink(missing_ok=True)
     images = [] if args.no_plots else plots(plan, data, out)
     log(f"results: {out / 'e2e.json'}" + "".join(f", {p}" for p in images))
-    if not args.quick and not args.no_docs:
+    if documented and not args.no_docs:
         relative = [os.path.relpath(p, DOCS.parent) for p in images]
-        update_docs(markdown(plan, data, summary, relative), pinned=PINNING is not None)
+        update_docs(markdown(plan, data, summary, relative))
         log(f"updated {DOCS}")
+    print_report(plan, data, summary)
     return 1 if summary["bad_requests"] else 0
 
 

@@ -1,24 +1,31 @@
-"""``python -m bench.e2e --quick`` end to end: every path runs, every response checks out, the report is written.
+"""``python -m bench.e2e --quick`` end to end: every path and row kind runs, every response checks out, the run ends
+with its goal lines.
 
 The benchmark itself never runs in the test suite; this bounded smoke run (a few hundred short requests, < 60 s on
-two cores) only proves that the command works and finds no lost or mis-ordered request.
+two cores) only proves that the command works, finds no lost or mis-ordered request, and reports what the full run
+reports.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from bench.e2e import GOALS, render
+
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parents[2]
+GOAL_LINE = re.compile(r"^goal ([a-z0-9_]+): (nan|-?\d+\.\d+) \(target (≤|≥) (\d+\.\d+)\) (met|MISSED)$")
 
 
-def test_quick_run_measures_every_path_and_checks_every_response(tmp_path: Path) -> None:
+def test_quick_run_measures_every_path_and_ends_with_the_goal_lines(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "bench.e2e", "--quick", "--out", str(tmp_path)],
         cwd=ROOT,
@@ -30,16 +37,39 @@ def test_quick_run_measures_every_path_and_checks_every_response(tmp_path: Path)
     assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
     data = json.loads((tmp_path / "e2e.json").read_text())
     points = data["points"]
-    assert {(p["path"], p["interval"]) for p in points} >= {(path, i) for path in "ABC" for i in (1, 5)}
+    saturated = {(p["path"], p["interval"]) for p in points if p["pace_ms"] == 0}
+    assert saturated == {(path, i) for path in "ABC" for i in (1, 5)}
+    assert {p["path"] for p in points if p["pace_ms"] > 0} == {"A", "B"}
     for point in points:
         assert point["completed"] == point["requests"], point
         assert point["failed"] == point["lost"] == 0, point
         assert point["tokens_per_s"] > 0, point
+        # Every path reports what a user feels: tokens per event and the gaps between events.
+        assert point["tokens_per_event"] >= 1, point
+        assert 0 <= point["gap_p50_ms"] <= point["gap_p99_ms"], point
+    # Path A follows the engine's tokens per message (A5: five-token chunks).
+    a5 = next(p for p in points if (p["path"], p["interval"], p["pace_ms"]) == ("A", 5, 0))
+    assert a5["tokens_per_event"] >= 4.5, a5
+    paced_a = next(p for p in points if p["path"] == "A" and p["pace_ms"] > 0)
+    assert paced_a["tokens_per_event"] < 1.2, paced_a
+    assert paced_a["gap_p50_ms"] >= paced_a["pace_ms"] * 0.9, paced_a  # it sleeps the engine's steps
     assert data["summary"]["bad_requests"] == 0
     memory = data["memory"]
     assert memory["failed"] == 0
     assert memory["peak_in_flight_seen_by_client"] == memory["requests"]
-    assert memory["idle_rss_mib"] > 0
-    for name in ("throughput", "itl", "ttft", "cpu"):
+    assert memory["baseline_cold"]["per_request_kib"] is not None
+    for name in ("throughput", "gaps", "cpu"):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "B/A" in done.stdout
+    # The run ends with one line per goal, in order, each parsing; nothing after them.
+    tail = done.stdout.rstrip("\n").splitlines()[-len(GOALS) :]
+    matches = [GOAL_LINE.match(line) for line in tail]
+    assert all(matches), tail
+    assert [m.group(1) for m in matches if m] == [goal.name for goal in GOALS]
+    for match, goal in zip(matches, GOALS, strict=True):
+        assert match is not None
+        value = float(match.group(2))
+        assert math.isfinite(value), match.group(0)  # every goal's rows were measured
+        assert (match.group(5) == "met") == goal.met(value)
+    # The saved JSON renders to the same goal lines (how the baseline's block in docs/performance.md was made).
+    rendered = render(tmp_path / "e2e.json").splitlines()
+    assert [line for line in rendered if line.startswith("goal ")] == tail

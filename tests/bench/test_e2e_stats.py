@@ -1,14 +1,31 @@
-"""The benchmark's arithmetic: percentiles, the steady-state window, ITL as aiperf defines it, merging rounds."""
+"""The benchmark's arithmetic: percentiles, the steady-state window, ITL as aiperf defines it, the gaps between
+events and tokens per event, merging rounds, the goal lines, and worker A's copy of the mock's step model."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from bench._e2e_common import RequestTiming, Stream, Table, latency_summary, percentile, seed_of, window_throughput
-from bench.e2e import merge_runs
+from bench import e2e
+from bench._e2e_common import (
+    RequestTiming,
+    Stream,
+    Table,
+    gap_summary,
+    latency_summary,
+    percentile,
+    seed_of,
+    window_throughput,
+)
+from bench._e2e_worker import Shape
+from bench.e2e import GOALS, Goal, merge_runs, worker_a_annotations
+from sidecar.testing.mock.config import MockConfig
+from sidecar.testing.mock.engine import Engine
 
 
 def test_percentile_interpolates_and_handles_empty() -> None:
@@ -23,21 +40,26 @@ def test_seeds_repeat_in_order() -> None:
     assert [seed_of(i, [7, 8, 9]) for i in range(5)] == [7, 8, 9, 7, 8]
 
 
-def timing(start: float, first: float, last: float, end: float, tokens: int, chunks: int) -> RequestTiming:
-    return RequestTiming(start, first, last, end, tokens, chunks)
+def timing(start: float, first: float, last: float, end: float, tokens: int, events: int) -> RequestTiming:
+    return RequestTiming(start, first, last, end, tokens, events)
 
 
 def test_window_is_between_first_end_and_last_start() -> None:
     timings = [timing(0, 1, 4, 4, 4, 4), timing(0, 1, 6, 6, 6, 6), timing(4, 5, 8, 8, 4, 4)]
     events = [(t, 1) for t in (1, 2, 3, 4, 5, 6, 7, 8)] + [(3.5, 10)]
     rate, lo, hi = window_throughput(timings, events)
-    # The window is [4, 4] + the guard: shorter than 0.2 s, so the whole run [0, 8] counts instead.
+    # The window is [4, 4]: under a quarter of the run, so the whole run [0, 8] counts instead.
     assert (lo, hi) == (0, 8)
     assert rate == pytest.approx(18 / 8)
     timings = [timing(0, 1, 2, 2, 2, 2), timing(0, 1, 9, 9, 9, 9), timing(6, 7, 8, 8, 2, 2)]
     rate, lo, hi = window_throughput(timings, events)
     assert (lo, hi) == (2, 6)
     assert rate == pytest.approx((5 + 10) / 4)  # events at 2, 3, 3.5 (10 tokens), 4, 5, 6
+    # Two waves of requests: the window between them (1.9 to 2.1 of a 4 s run) would measure the hand-over alone.
+    timings = [timing(0, 0.1, 2, 2, 2, 2), timing(0, 0.1, 1.9, 1.9, 2, 2), timing(2.1, 2.2, 4, 4, 2, 2)]
+    rate, lo, hi = window_throughput(timings, [(0.5, 3), (1.5, 1), (3.0, 2)])
+    assert (lo, hi) == (0, 4)
+    assert rate == pytest.approx(6 / 4)
 
 
 def test_latency_summary_uses_aiperf_itl() -> None:
@@ -45,7 +67,7 @@ def test_latency_summary_uses_aiperf_itl() -> None:
     summary = latency_summary(timings)
     assert summary["ttft_p50_ms"] == pytest.approx(15)
     assert summary["itl_p50_ms"] == pytest.approx(15)  # 10 ms and 20 ms per token
-    assert summary["tokens_per_chunk"] == pytest.approx(22 / 13)
+    assert summary["tokens_per_event"] == pytest.approx(22 / 13)
 
 
 def test_table_round_trip(tmp_path: Path) -> None:
@@ -71,3 +93,84 @@ def test_rounds_merge_to_medians_and_sums() -> None:
     assert merged["itl_p50_ms"] == 2.0
     assert merged["cpu_s_per_1k_tokens"] == {"sidecar": pytest.approx(0.2)}
     assert merged["tokens_per_s_rounds"] == [100.0, 300.0]
+
+
+def test_gaps_are_pooled_and_worst_is_per_request() -> None:
+    # Request 1: events 10 ms apart, then a 50 ms stall; request 2: one 30 ms gap; request 3: a single event (no gap).
+    summary = gap_summary([[0.0, 0.010, 0.020, 0.070], [1.0, 1.030], [2.0]])
+    # Pooled gaps (ms): 10, 10, 50, 30.
+    assert summary["gaps"] == 4
+    assert summary["gap_p50_ms"] == pytest.approx(20)
+    assert summary["gap_p90_ms"] == pytest.approx(44)
+    assert summary["gap_p99_ms"] == pytest.approx(49.4)
+    # Worst per request: 50 and 30 (the single-event request has none).
+    assert summary["worst_gap_p50_ms"] == pytest.approx(40)
+    assert summary["worst_gap_p99_ms"] == pytest.approx(49.8)
+
+
+def test_gaps_see_what_itl_averages_away() -> None:
+    """Ten tokens every 10 ms one by one, or three at a time every 30 ms: the same ITL, three times the gap."""
+    steady = [[0.01 * k for k in range(10)]]
+    bursty = [[0.0, 0.03, 0.06, 0.09]]  # the tenth token's text arrives with the last event
+    assert gap_summary(steady)["gap_p50_ms"] == pytest.approx(10)
+    assert gap_summary(bursty)["gap_p50_ms"] == pytest.approx(30)
+    itl = latency_summary([timing(0, 0, 0.09, 0.1, 10, 10), timing(0, 0, 0.09, 0.1, 10, 4)])
+    assert itl["itl_p50_ms"] == pytest.approx(10)
+    assert itl["tokens_per_event"] == pytest.approx(20 / 14)
+
+
+def test_gaps_of_nothing_are_nan() -> None:
+    summary = gap_summary([[], [5.0]])
+    assert summary["gaps"] == 0
+    assert all(math.isnan(summary[key]) for key in ("gap_p50_ms", "gap_p99_ms", "worst_gap_p50_ms"))
+
+
+GOAL_LINE = re.compile(r"^goal ([a-z0-9_]+): (nan|-?\d+\.\d+) \(target (≤|≥) (\d+\.\d+)\) (met|MISSED)$")
+
+
+def test_goal_lines_parse_and_judge() -> None:
+    below = Goal("x_ratio", "≤", 1.1, 2, "")
+    assert below.line(1.0999) == "goal x_ratio: 1.10 (target ≤ 1.10) met"
+    assert below.line(1.2) == "goal x_ratio: 1.20 (target ≤ 1.10) MISSED"
+    assert below.line(math.nan) == "goal x_ratio: nan (target ≤ 1.10) MISSED"
+    above = Goal("y", "≥", 0.9, 2, "")
+    assert above.line(0.95).endswith(" met")
+    assert above.line(0.85).endswith(" MISSED")
+    for goal in GOALS:
+        assert GOAL_LINE.match(goal.line(1.0)), goal.line(1.0)
+    assert [g.name for g in GOALS] == [
+        "paced_gap_p50_ratio", "paced_gap_p99_ratio", "paced_tokens_per_event", "paced_cpu_per_token_ratio",
+        "saturated_equal_chunk_ratio", "saturated_us_per_message", "memory_kib_per_request",
+    ]  # fmt: skip
+
+
+def test_worker_a_cuts_and_paces_as_the_mock_does() -> None:
+    """Worker A reads its shape from the annotations the bench sends, and its steps are the mock's."""
+    shape = Shape.of({"annotations": worker_a_annotations(5, 10.0)})
+    assert shape.tokens_per_message == 5
+    assert shape.prefill_tokens_per_s == MockConfig().prefill_tokens_per_s
+    engine = Engine(
+        MockConfig(speedup=1.0, decode_ms_per_token=10.0), SimpleNamespace(eos_token_ids=())
+    )  # no model needed
+    for batch in (1, 16, 64):
+        engine._decoding_sequences = batch  # the mock's own step model, at this batch size
+        assert shape.step_s(batch) == pytest.approx(engine._step_time())
+    assert Shape.of({"annotations": worker_a_annotations(1, 0.0)}) == Shape()
+    assert Shape.of({"annotations": ["pace_ms:1000"]}).step_s(500) == 1.0
+
+
+def test_a_later_run_shows_its_goals_beside_the_baseline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    baseline = tmp_path / "baseline.json"
+    goals = [{"name": goal.name, "value": 2.0} for goal in GOALS]
+    baseline.write_text(json.dumps({"date": "then", "commit": "aaa", "sidecar_commit": "c096775",
+                                    "summary": {"goals": goals}}))  # fmt: skip
+    monkeypatch.setattr(e2e, "BASELINE", baseline)
+    monkeypatch.setattr(e2e, "ROOT", tmp_path)
+    now = {"goals": [{"name": goal.name, "value": 1.0} for goal in GOALS]}
+    lines = e2e.against_baseline(now, {"date": "now", "commit": "bbb"})
+    assert "`c096775`" in lines[0]
+    row = next(line for line in lines if "`paced_gap_p50_ratio`" in line)
+    assert row == "| `paced_gap_p50_ratio` | 2.00 | 1.00 | ≤ 1.1 |"
+    assert len([line for line in lines if line.startswith("| `")]) == len(GOALS)
+    # The baseline run itself is not compared with itself.
+    assert e2e.against_baseline(now, {"date": "then", "commit": "aaa"}) == []
