@@ -25,6 +25,9 @@ say "pinning pip"
 python -m pip install "${quiet[@]}" "pip==25.3"
 say "installing the project with its pinned dependencies (the longest step, about a minute)"
 python -m pip install "${quiet[@]}" -e ".[codegen,dev]"
+# The test engine is a distribution of its own (openengine-sidecar never ships it): the demo and the tests need it.
+say "installing openengine-mock, the test engine (sidecar/testing, with tokenizers and msgspec)"
+python -m pip install "${quiet[@]}" -e ./sidecar/testing
 
 # The Dynamo frontend: `pip install ai-dynamo==1.6.1` cannot resolve on Python 3.11 (its aisimulate dependency is a
 # stub that downloads from NVIDIA's own index), so it is installed without dependencies, plus the few it needs to run.
@@ -46,6 +49,6 @@ if [ -n "$problems" ]; then
   echo "$problems" >&2
   exit 1
 fi
-python -c "import dynamo.frontend.main, dynamo.llm, sidecar.cli" \
+python -c "import dynamo.frontend.main, dynamo.llm, sidecar.cli, sidecar.testing.mock.server" \
   || { echo "setup: the installed packages do not import (see above)" >&2; exit 1; }
 say "done: . $venv/bin/activate"

@@ -10,6 +10,8 @@ echo "== generated code drift"
 python protos/generate.py --check
 echo "== state-diagram docs drift"
 python scripts/gen_state_docs.py --check
+echo "== mock profile table drift"
+python scripts/gen_mock_profiles.py --check
 echo "== ruff"
 ruff check .
 ruff format --check sidecar statemachines tests bench scripts protos/generate.py

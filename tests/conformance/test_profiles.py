@@ -7,12 +7,23 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.testing.mock.profiles import PROFILES
+
 from .conftest import MOCK_SPEED, MockFactory, failed, run_kit
 from .doc_table import DOC, Column, columns, read_table, run_column, verdicts
 
 
 def _column_ids() -> list[str]:
     return [c.name for c in columns()]
+
+
+def test_every_mock_profile_has_a_column() -> None:
+    """A new engine record (``sidecar/testing/mock/profiles.py``) gets its own run of the kit and column."""
+    assert set(PROFILES) <= set(_column_ids())
+    table = read_table(DOC.read_text())
+    assert set(PROFILES) <= set(table), (
+        f"{DOC.name} lacks a profile's column: run python -m tests.conformance.doc_table"
+    )
 
 
 @pytest.mark.parametrize("column", columns(), ids=_column_ids())

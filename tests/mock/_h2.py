@@ -54,6 +54,8 @@ class RawH2:
         self._decoder = hpack.Decoder()
         self._buffer = b""
         self.frames: list[Received] = []
+        #: Every header block received: ``(stream id, decoded headers, ends the stream)``.
+        self.header_blocks: list[tuple[int, list[tuple[str, str]], bool]] = []
         self.sock.sendall(
             PREFACE
             + SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: _WINDOW - 1}).serialize()
@@ -106,7 +108,8 @@ class RawH2:
         elif isinstance(frame, SettingsFrame) and "ACK" not in frame.flags:
             self.sock.sendall(SettingsFrame(0, flags=["ACK"]).serialize())
         elif isinstance(frame, HeadersFrame):
-            self._decoder.decode(frame.data)
+            decoded = [(str(k), str(v)) for k, v in self._decoder.decode(frame.data)]
+            self.header_blocks.append((frame.stream_id, decoded, "END_STREAM" in frame.flags))
         return received
 
     def read_until(self, kind: type[F], *, stream_id: int | None = None, deadline_s: float = 10.0) -> tuple[float, F]:

@@ -352,6 +352,53 @@ def test_structural_tag() -> None:
     assert seen == {"get_weather", "get_time"}
 
 
+def test_structural_tag_format_form() -> None:
+    """xgrammar's ``format`` form, which TensorRT-LLM hands to xgrammar as it is (issue 27 item 5e): every output is
+    a text the format accepts."""
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    call = {"type": "tag", "begin": "<tool=weather>", "content": {"type": "json_schema", "json_schema": weather}}
+    spec = {
+        "type": "structural_tag",
+        "format": {
+            "type": "sequence",
+            "elements": [
+                {"type": "const_string", "value": "Answer:"},
+                {"type": "or", "elements": [{"type": "regex", "pattern": " [0-9]{2}"}, {"type": "any_text"}]},
+                {"type": "triggered_tags", "triggers": ["<tool="], "tags": [{**call, "end": "</tool>"}]},
+                {
+                    "type": "tags_with_separator",
+                    "separator": ",",
+                    "tags": [
+                        {"begin": "<n>", "content": {"type": "grammar", "grammar": "root ::= [a-c]+"}, "end": "</n>"}
+                    ],
+                },
+            ],
+        },
+    }
+    shapes = set()
+    for seed in range(40):
+        text = guided_text("structural_tag", json.dumps(spec), seed=seed)
+        match = re.fullmatch(
+            r"Answer:( [0-9]{2}|[a-z ]+)<tool=weather>(.*)</tool>(<n>[a-c]+</n>(,<n>[a-c]+</n>)?)", text
+        )
+        assert match, text
+        _validator(weather).validate(json.loads(match.group(2)))
+        shapes.add((match.group(1)[1:].isdigit(), match.group(4) is not None))
+    assert len(shapes) == 4, "every branch of or, one or two separated tags"
+
+
+def test_any_text_keeps_out_of_its_tags_end() -> None:
+    spec = {
+        "type": "structural_tag",
+        "format": {"type": "tag", "begin": "<", "content": {"type": "any_text"}, "end": " a"},
+    }
+    for seed in range(50):
+        text = guided_text("structural_tag", json.dumps(spec), seed=seed)
+        assert text.startswith("<"), text
+        assert text.endswith(" a"), text
+        assert " a" not in text[1:-2], text
+
+
 # -- refusals -----------------------------------------------------------------------------------------------------
 
 UNSUPPORTED: list[tuple[str, str]] = [
@@ -398,7 +445,28 @@ UNSUPPORTED: list[tuple[str, str]] = [
     ("ebnf_grammar", 'root ::= "a"\nroot ::= "b"'),
     ("ebnf_grammar", 'root ::= "unterminated'),
     ("ebnf_grammar", "root = 'a'"),
-    ("structural_tag", json.dumps({"type": "structural_tag", "format": {"type": "const_string", "value": "x"}})),
+    (
+        "structural_tag",
+        json.dumps({"type": "structural_tag", "format": {"type": "qwen_xml_parameter", "json_schema": {}}}),
+    ),
+    ("structural_tag", json.dumps({"type": "structural_tag", "format": {"type": "const_string", "value": ""}})),
+    (
+        "structural_tag",
+        json.dumps({"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>"}}),
+    ),
+    (
+        "structural_tag",
+        json.dumps(
+            {
+                "type": "structural_tag",
+                "format": {
+                    "type": "triggered_tags",
+                    "triggers": ["<tool"],
+                    "tags": [{"begin": "[x]", "content": {"type": "any_text"}, "end": "]"}],
+                },
+            }
+        ),
+    ),
     ("structural_tag", json.dumps({"type": "structural_tag", "structures": [], "triggers": ["<"]})),
     ("structural_tag", json.dumps({"structures": [{"begin": "[x]", "schema": {}, "end": "]"}], "triggers": ["<"]})),
     ("choice", "[]"),

@@ -17,7 +17,7 @@ from hyperframe.frame import DataFrame, GoAwayFrame, RstStreamFrame
 
 from openengine.v1 import generation_pb2
 
-from ._client import call, generate, make_request, split_address
+from ._client import call, generate, make_request, split_address, wait_for_load
 from ._h2 import RawH2
 from .conftest import StartMock
 
@@ -97,7 +97,10 @@ def test_goaway_twice_then_new_streams_refused_and_the_rest_cut_after_the_grace(
         raw.read_all()
     finally:
         raw.close()
-    assert cut.error_code == ErrorCodes.CANCEL
+    # grpc-core's end of the grace: the call's trailers (UNAVAILABLE), then RST_STREAM NO_ERROR (issue 27 item 5f).
+    trailers = [(headers, ends) for stream_id, headers, ends in raw.header_blocks if stream_id == 1][-1]
+    assert trailers == ([("grpc-status", "14"), ("grpc-message", "Cancelling all calls")], True)
+    assert cut.error_code == ErrorCodes.NO_ERROR
     assert cut_at - signalled >= 3.9, "the hung stream kept its grace"
     assert [m.WhichOneof("event") for _, m in raw.messages(1)] == ["token", "token"], "cut without a terminal event"
     assert len(raw.goaways()) == 2
@@ -110,3 +113,30 @@ def test_idle_mock_stops_at_once(start_mock: StartMock) -> None:
     started = time.monotonic()
     assert mock.stop(signal.SIGTERM, timeout=40) == 0
     assert time.monotonic() - started < 15.0, "nothing open: no need to wait out the grace"
+
+
+def test_a_stream_cut_before_its_first_message_gets_a_trailers_only_unavailable(start_mock: StartMock) -> None:
+    """grpc-core answers a call that never sent anything with one trailers-only HEADERS (status 200, UNAVAILABLE)."""
+    mock = start_mock("--stop-grace-secs", "1")
+    raw = RawH2(mock.address)
+    try:
+        raw.generate(1, make_request("silent", max_tokens=8, mock={"hang_after_tokens": 0}))
+        call(mock.address, lambda ch: wait_for_load(ch, lambda load: load.running_requests == 1))
+        mock.proc.send_signal(signal.SIGTERM)
+        _, cut = raw.read_until(RstStreamFrame, stream_id=1)
+        raw.read_all()
+    finally:
+        raw.close()
+    (block,) = [(headers, ends) for stream_id, headers, ends in raw.header_blocks if stream_id == 1]
+    assert block == (
+        [
+            (":status", "200"),
+            ("content-type", "application/grpc"),
+            ("grpc-status", "14"),
+            ("grpc-message", "Cancelling all calls"),
+        ],
+        True,
+    )
+    assert cut.error_code == ErrorCodes.NO_ERROR
+    assert raw.messages(1) == []
+    assert mock.proc.wait(10) == 0

@@ -5,12 +5,14 @@ describes it, one test per difference from the richer ``full`` engine (issue 22'
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Sequence
 
 import pytest
 from grpclib.client import Channel
 from grpclib.const import Status
+from grpclib.exceptions import GRPCError
 
 from openengine.v1 import error_pb2, generation_pb2, kv_pb2, lifecycle_pb2, model_pb2, openengine_grpc, server_pb2
 from sidecar.testing.mock.config import SCHEMA_RELEASE_FULL, SCHEMA_RELEASE_PREFIX
@@ -124,6 +126,10 @@ def test_server_info_looks_like_tensorrt_llm(trt_addr: str) -> None:
     assert info.engine_version.endswith("+openengine-mock"), "still says it is the mock"
     assert info.engine_role == server_pb2.ENGINE_ROLE_UNSPECIFIED
     assert info.schema_release == SCHEMA_RELEASE_PREFIX
+    # tp, pp and TensorRT-LLM's context parallel size as decode_context_parallel_size (issue 27 item 5f); no dp.
+    parallelism = info.parallelism
+    assert (parallelism.tensor_parallel_size, parallelism.pipeline_parallel_size) == (1, 1)
+    assert parallelism.decode_context_parallel_size == 1
     assert not info.parallelism.HasField("data_parallel_size")
     assert not info.capacity.HasField("total_kv_blocks")
     kvc = info.kv_connector
@@ -478,3 +484,145 @@ def test_startup_delay_keeps_the_port_closed(start_mock: StartMock) -> None:
     health = call(address, lambda ch: control(ch).Health(lifecycle_pb2.HealthRequest()))
     assert health.state == lifecycle_pb2.HEALTH_STATE_READY
     assert run(address, make_request(max_tokens=2)).status == Status.OK
+
+
+# -- 15. Against TensorRT-LLM on the wire (issue 27 item 5) -----------------------------------------------------------
+
+
+def _prompt_logprobs_over_the_limit() -> generation_pb2.GenerateRequest:
+    """1100 prompt tokens x 1000 candidates: above TensorRT-LLM's 1,000,000 prompt-logprob entries."""
+    req = make_request(token_ids=[5] * 1100, max_tokens=4, ignore_eos=True, temperature=1.0, seed=2)
+    req.response.return_prompt_logprobs = True
+    req.response.prompt_candidates.top_n = 1000
+    return req
+
+
+def test_after_the_prompt_logprob_error_the_stream_goes_on(start_mock: StartMock) -> None:
+    """(a) TensorRT-LLM's formatter turns the first result into the EngineError and formats the later ones as usual:
+    the tokens (the first step's with the second's) and a finished with usage follow, status OK."""
+    out = run(start_mock("--max-top-n", "1000").address, _prompt_logprobs_over_the_limit())
+    assert out.status == Status.OK
+    assert out.events == ["error", "token", "token", "token", "finished"], out.events
+    error = out.messages[0]
+    assert error.error.code == error_pb2.ERROR_CODE_INVALID_ARGUMENT
+    assert "prompt logprobs" in error.error.message
+    assert (error.usage.prompt_tokens, error.usage.completion_tokens) == (1100, 1), "usage of the first step"
+    assert len(out.messages[1].token.tokens) == 2, "the first step's token goes out with the second's"
+    assert len(out.tokens()) == 4
+    assert out.final.usage.completion_tokens == 4
+    full = run(start_mock("--profile", "full", "--max-top-n", "1000").address, _prompt_logprobs_over_the_limit())
+    assert (full.status, full.events) == (Status.OK, ["error"]), "the full engine ends there"
+
+
+def test_a_multi_token_stop_word_held_back_sends_text_only_token_events(trt_addr: str, lm: TinyLM) -> None:
+    """(b) Token ids wait for (longest stop tokenization - 1) more tokens; the text, one step behind, does not:
+    while the ids are still held, a step sends ``tokens=[]`` with text."""
+    stop = " toward the sea"
+    assert len(lm.encode(stop)) == 3, "two ids held back"
+    out = run(trt_addr, scripted(lm, stop_texts=[stop]))
+    tokens = [m.token for m in out.messages if m.WhichOneof("event") == "token"]
+    assert (list(tokens[0].tokens), tokens[0].text) == ([], " Alder"), "the first step's text, no ids yet"
+    assert all(t.tokens for t in tokens[1:])
+    assert out.tokens() == lm.encode(SENTENCE)
+    assert out.text() == SENTENCE
+
+
+def test_eos_is_neither_streamed_nor_counted(trt_addr: str, addr: str, lm: TinyLM) -> None:
+    """(c) An output that ends at EOS: TensorRT-LLM's tokens stop before it, its usage does not count it."""
+    ids = lm.encode(SENTENCE)
+    eos = lm.eos_token_ids[0]
+    request = make_request(max_tokens=len(ids) + 4, mock={"tokens": [*ids, eos]})
+    out = run(trt_addr, request)
+    assert out.tokens() == ids
+    assert out.text() == SENTENCE
+    (finished,) = out.finished()
+    assert (finished.reason, finished.stop_match.eos_token_id) == (generation_pb2.FINISH_REASON_STOP, eos)
+    assert out.final.usage.completion_tokens == len(ids)
+    full = run(addr, make_request(max_tokens=len(ids) + 4, mock={"tokens": [*ids, eos]}))
+    assert full.tokens() == [*ids, eos], "the full engine streams the EOS id"
+    assert full.final.usage.completion_tokens == len(ids) + 1
+
+
+def test_first_gen_log_probs_only_when_logprobs_were_asked(trt_addr: str) -> None:
+    """(d) Without output logprobs the handoff carries none."""
+    first = make_request(prompt="The river", max_tokens=1, seed=3, extra={"request_type": "context_only"})
+    attrs = struct_to_dict(run(trt_addr, first).final.prefill_ready.kv_session.attributes_struct)
+    assert "first_gen_tokens" in attrs
+    assert "first_gen_log_probs" not in attrs
+
+
+def _abort(addr: str, request_id: str) -> tuple[Status, str | None, int]:
+    async def go(ch: Channel) -> tuple[Status, str | None, int]:
+        try:
+            answer = await control(ch).Abort(lifecycle_pb2.AbortRequest(request_id=request_id))
+        except GRPCError as exc:
+            return exc.status, exc.message, -1
+        return Status.OK, None, answer.status
+
+    return call(addr, go)
+
+
+def test_an_empty_abort_id_is_an_unknown_request(trt_addr: str, addr: str) -> None:
+    """(e) Abort{request_id: ""}: TensorRT-LLM looks it up like any id and finds nothing."""
+    assert _abort(trt_addr, "") == (Status.OK, None, lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED)
+    assert _abort(addr, "")[0] == Status.INVALID_ARGUMENT
+
+
+def _refusals(lm: TinyLM) -> dict[str, generation_pb2.GenerateRequest]:
+    empty_stop = make_request(max_tokens=4, ignore_eos=True)
+    empty_stop.stopping.conditions.add(stop_text="")
+    tag = make_request(max_tokens=60)
+    tag.guided.structural_tag = json.dumps(
+        {"type": "structural_tag", "format": {"type": "const_string", "value": " Alder carries leaves"}}
+    )
+    return {
+        "empty stop text": empty_stop,
+        "detokenize not a bool": make_request(max_tokens=4, ignore_eos=True, extra={"detokenize": "false"}),
+        "conversation_id not a string": make_request(max_tokens=4, ignore_eos=True, extra={"conversation_id": 7}),
+        "structural_tag format form": tag,
+    }
+
+
+@pytest.mark.parametrize(
+    ("case", "newer"),
+    [
+        ("empty stop text", Status.OK),
+        ("detokenize not a bool", Status.INVALID_ARGUMENT),
+        ("conversation_id not a string", Status.INVALID_ARGUMENT),
+        ("structural_tag format form", Status.OK),
+    ],
+)
+def test_requests_tensorrt_llm_does_not_refuse(
+    trt_addr: str, start_mock: StartMock, lm: TinyLM, case: str, newer: Status
+) -> None:
+    """(e) What the merged server accepts: an empty stop text (it never matches), ``extra`` keys it never reads, and
+    xgrammar's structural-tag ``format`` form; its newer revisions check the ``extra`` types."""
+    request = _refusals(lm)[case]
+    out = run(trt_addr, request)
+    assert (out.status, out.events[-1]) == (Status.OK, "finished"), (case, out.details)
+    if case == "structural_tag format form":
+        assert out.text() == " Alder carries leaves", "the output is the format's text, then EOS"
+        assert out.final.finished.stop_match.HasField("eos_token_id")
+    elif case == "detokenize not a bool":
+        assert out.text(), "ignored: the text is sent"
+    mock = start_mock("--profile", "trtllm-newer")
+    assert run(mock.address, request).status == newer
+
+
+def test_a_session_makes_a_decode_leg_whatever_the_request_type(start_mock: StartMock, addr: str) -> None:
+    """(e) ``kv.session`` with ``extra.request_type=context_only``: TensorRT-LLM never reads the request type when a
+    session is there, so it is a decode leg."""
+    ctx, gen = start_mock(), start_mock()
+    prompt = "The family arrived"
+    prefill = run(
+        ctx.address, make_request(prompt=prompt, max_tokens=1, seed=1, extra={"request_type": "context_only"})
+    )
+    session = prefill.final.prefill_ready.kv_session
+    decode = make_request(prompt=prompt, max_tokens=4, seed=1, ignore_eos=True, extra={"request_type": "context_only"})
+    decode.kv.session.CopyFrom(session)
+    out = run(gen.address, decode)
+    assert (out.status, out.events[-1]) == (Status.OK, "finished")
+    assert out.tokens()[0] == prefill.messages[0].token.tokens[0].token_id, "the first token replayed"
+    assert len(out.tokens()) == 4
+    full = run(addr, decode)
+    assert (full.status, full.messages) == (Status.INVALID_ARGUMENT, [])

@@ -13,6 +13,16 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 from .faults import VIOLATIONS
+from .profiles import (
+    PROFILES,
+    SCHEMA_RELEASE_FULL,
+    SCHEMA_RELEASE_PREFIX,
+    TRTLLM_ENGINE_NAME,
+    EngineProfile,
+    KvEventsFlag,
+    LoadReport,
+    Role,
+)
 
 __all__ = [
     "CAPABILITY_NAMES",
@@ -27,25 +37,11 @@ __all__ = [
     "parse_args",
 ]
 
-#: The Buf commit of OpenEngine v0.1.0 (the ``schema_release`` TensorRT-LLM pins) and its 12-hex prefix.
-SCHEMA_RELEASE_FULL = "768a93c7b44e40f28c692ad0b471a8f2"
-SCHEMA_RELEASE_PREFIX = SCHEMA_RELEASE_FULL[:12]
-
-#: ``ServerInfo.engine_name`` of TensorRT-LLM's server, which the ``trtllm`` profiles report.
-TRTLLM_ENGINE_NAME = "tensorrt_llm"
-
-Profile = Literal["trtllm", "full", "trtllm-newer"]
-#: ``--profile`` values: ``trtllm`` = TensorRT-LLM's merged server (PR #17992, the default); ``trtllm-newer`` = the
-#: same plus its open follow-ups where they differ; ``full`` = the richer engine the mock has always been.
-PROFILES: tuple[Profile, ...] = ("trtllm", "full", "trtllm-newer")
-Role = Literal["aggregated", "prefill", "decode", "unspecified"]
 HealthFlag = Literal["ready", "not_ready", "degraded"]
-KvEventsFlag = Literal["grpc", "zmq", "disabled", "unimplemented"]
-#: ``GetLoad`` detail: TensorRT-LLM's baseline (``running_requests`` only), its newer opt-in routing load (KV blocks,
-#: ``ranks[]``), or everything the mock knows.
-LoadReport = Literal["minimal", "routing", "full"]
 #: ``--kv-fault`` kinds (``kvevents.py``): what happens to one batch of the KV event stream.
 KV_FAULT_KINDS = ("gap", "repeat", "drop", "error", "eof")
+#: The command line's default ``--profile``: TensorRT-LLM's merged server.
+DEFAULT_PROFILE = next(iter(PROFILES))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -117,9 +113,10 @@ class MockConfig:
     kv_snapshot: bool = True
     #: ``(batch sequence number, fault kind)`` pairs from ``--kv-fault KIND@N``.
     kv_faults: tuple[tuple[int, str], ...] = ()
-    #: Which engine the mock behaves like (``docs/mock.md`` has the table). The dataclass defaults are the ``full``
-    #: engine's; the command line's default profile is ``trtllm`` (:func:`parse_args` fills in its defaults).
-    profile: Profile = "full"
+    #: Which engine the mock behaves like (``profiles.py``; ``docs/mock.md`` has the table). The dataclass defaults
+    #: are the ``full`` engine's; the command line's default profile is ``trtllm`` (:func:`parse_args` fills in its
+    #: defaults).
+    profile: str = "full"
     #: ``ServerInfo.kv_connector.transfer_backend`` and ``KvSessionRef.transfer_backend``.
     kv_transfer_backend: str = "MOCK"
     load_report: LoadReport = "full"
@@ -140,22 +137,16 @@ class MockConfig:
         return (self.served_model_name, *self.model_aliases)
 
     @property
-    def trt(self) -> bool:
-        """TensorRT-LLM's semantics (``trtllm`` and ``trtllm-newer``) rather than the richer ``full`` engine's."""
-        return self.profile != "full"
+    def engine(self) -> EngineProfile:
+        """The profile's record: every behaviour that differs between engines (``profiles.py``)."""
+        return PROFILES[self.profile]
 
     @property
     def reports_kv_connector(self) -> bool:
-        """``ServerInfo.kv_connector`` is sent: TensorRT-LLM whenever a cache transceiver is configured; the ``full``
-        engine only for the prefill/decode roles."""
+        """``ServerInfo.kv_connector`` is sent (the profile says when; never without a cache transceiver)."""
         if self.no_cache_transceiver:
             return False
-        return self.trt or self.role in ("prefill", "decode")
-
-    @property
-    def newer(self) -> bool:
-        """TensorRT-LLM's open follow-up PRs (``trtllm-newer``)."""
-        return self.profile == "trtllm-newer"
+        return self.engine.kv_connector_when == "transceiver" or self.role in ("prefill", "decode")
 
 
 def _schema_release(value: str) -> str:
@@ -233,52 +224,17 @@ def _refuse(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     parser.error(message)
 
 
-#: Per-profile defaults of the flags a profile decides (an explicit flag always wins).
-_PROFILE_DEFAULTS: dict[Profile, dict[str, object]] = {
-    "full": {
-        "engine_name": "openengine-mock",
-        "role": "aggregated",
-        "schema_release": "full",
-        "kv_events": "grpc",
-        "guided": False,
-        "max_num_sequences": 4,
-        "kv_transfer_backend": "MOCK",
-        "load_report": "full",
-    },
-    "trtllm": {
-        "engine_name": TRTLLM_ENGINE_NAME,
-        "role": "unspecified",
-        "schema_release": "prefix",
-        "kv_events": "unimplemented",
-        "guided": True,
-        "max_num_sequences": None,
-        "kv_transfer_backend": "NIXL",
-        "load_report": "minimal",
-    },
-    "trtllm-newer": {
-        "engine_name": TRTLLM_ENGINE_NAME,
-        "role": "unspecified",
-        "schema_release": "full",
-        "kv_events": "zmq",
-        "guided": True,
-        "max_num_sequences": None,
-        "kv_transfer_backend": "NIXL",
-        "load_report": "routing",
-    },
-}
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The flag set of ``docs/mock.md`` (plus a few documented extras)."""
     p = _Parser(prog="openengine-mock", description="A simulated OpenEngine v0.1.0 engine.")
     d = MockConfig()
     p.add_argument(
         "--profile",
-        choices=PROFILES,
-        default="trtllm",
-        help="which engine to behave like: trtllm = TensorRT-LLM's merged server, trtllm-newer = plus its open "
-        "follow-ups, full = the richer engine (roles, MOCK connector, rich GetLoad, KV events over gRPC); "
-        "sets the defaults marked [profile] [%(default)s]",
+        choices=tuple(PROFILES),
+        default=DEFAULT_PROFILE,
+        help="which engine to behave like: "
+        + "; ".join(f"{p.name} = {p.summary}" for p in PROFILES.values())
+        + "; sets the defaults marked [profile] [%(default)s]",
     )
     p.add_argument("--host", default=d.host, help="listen address [%(default)s]")
     p.add_argument("--port", type=int, default=d.port, help="listen port; 0 = the OS picks [%(default)s]")
@@ -461,22 +417,30 @@ def parse_args(argv: Sequence[str] | None = None) -> MockConfig:
         _refuse(parser, "--max-top-n must be >= 0")
     _check_tls(parser, ns)
     uds = _check_uds(parser, ns.uds) if ns.uds is not None else None
-    profile: Profile = ns.profile
-    pd = _PROFILE_DEFAULTS[profile]
+    engine = PROFILES[ns.profile]
+    defaults: dict[str, object] = {
+        "role": engine.role,
+        "engine_name": engine.engine_name,
+        "schema_release": engine.schema_release,
+        "kv_events": engine.kv_events,
+        "max_num_sequences": engine.max_num_sequences,
+        "kv_transfer_backend": engine.kv_transfer_backend,
+        "load_report": engine.load_report,
+    }
 
     def pick(name: str) -> Any:
         value = getattr(ns, name)
-        return pd[name] if value is None else value
+        return defaults[name] if value is None else value
 
-    caps = dataclasses.replace(Capabilities(guided=bool(pd["guided"])), **dict(ns.capability))
+    caps = dataclasses.replace(Capabilities(guided=engine.guided), **dict(ns.capability))
     version = ns.engine_version
     if version is None:
-        version = _package_version() + ("+openengine-mock" if profile != "full" else "")
+        version = _package_version() + engine.version_suffix
     max_output_tokens = ns.max_output_tokens
-    if max_output_tokens is None and profile == "trtllm":
+    if max_output_tokens is None and engine.max_output_tokens_is_window:
         max_output_tokens = ns.max_context_length  # TensorRT-LLM's baseline reports max_seq_len here
     return MockConfig(
-        profile=profile,
+        profile=engine.name,
         host=ns.host,
         port=ns.port,
         uds=uds,

@@ -64,6 +64,8 @@ log = logging.getLogger("openengine_mock")
 Sender = Callable[[generation_pb2.GenerateResponse], Awaitable[None]]
 #: A token as generated: (token_id, logprob, rank, candidates); logprob data only when requested.
 _Token = tuple[int, float | None, int | None, Sequence[tuple[int, float]]]
+#: How an output ended: the finish reason and the stop match (``("eos_token_id", 2)``, …), if any.
+_End = tuple[generation_pb2.FinishReason, tuple[str, int | str] | None]
 
 _LOGPROB_FLOOR = -9999.0
 _BATCH_SLOWDOWN = 64.0
@@ -362,13 +364,15 @@ class _Emitter:
         response.usage.CopyFrom(self._req.usage())
         await self._send(response, terminal=True)
 
-    async def error(self, code: error_pb2.ErrorCode, message: str, retryable: bool) -> None:
+    async def error(self, code: error_pb2.ErrorCode, message: str, retryable: bool, *, terminal: bool = True) -> None:
+        """One ``EngineError`` with usage. ``terminal=False``: the stream goes on after it (TensorRT-LLM's formatter
+        after the prompt-logprob limit), so the request can still be aborted."""
         response = self._response()
         response.error.code = code
         response.error.message = message
         response.error.retryable = retryable
         response.usage.CopyFrom(self._req.usage())
-        await self._send(response, terminal=True)
+        await self._send(response, terminal=terminal)
 
 
 class Engine:
@@ -508,20 +512,25 @@ class Engine:
             self._set_state(req, RequestState.DECODE)
             if await self._fault_point(req, em, outputs, drop):
                 return
+            prompt_error: str | None = None
             if plan.prompt_logprobs:
-                if req.prompt_len * max(plan.prompt_top_n, 1) > PROMPT_LOGPROB_LIMIT:
-                    await em.error(
-                        error_pb2.ERROR_CODE_INVALID_ARGUMENT,
+                entries = req.prompt_len * max(plan.prompt_top_n, 1)
+                if entries <= PROMPT_LOGPROB_LIMIT:
+                    await em.prompt(self._prompt_tokens(plan))
+                else:
+                    prompt_error = (
                         f"prompt logprobs too large: {req.prompt_len} prompt tokens x "
-                        f"{max(plan.prompt_top_n, 1)} candidates > {PROMPT_LOGPROB_LIMIT}",
-                        False,
+                        f"{max(plan.prompt_top_n, 1)} candidates > {PROMPT_LOGPROB_LIMIT}"
                     )
-                    return
-                await em.prompt(self._prompt_tokens(plan))
+                    if not self.config.engine.streams_after_prompt_logprob_error:
+                        await em.error(error_pb2.ERROR_CODE_INVALID_ARGUMENT, prompt_error, False)
+                        return
             if plan.context_only:
+                if prompt_error is not None:
+                    await em.error(error_pb2.ERROR_CODE_INVALID_ARGUMENT, prompt_error, False, terminal=False)
                 await self._context_only(req, em, outputs[0])
             else:
-                await self._decode(req, em, outputs, drop)
+                await self._decode(req, em, outputs, drop, prompt_error)
         except _Aborted:
             log.info("request %r aborted", plan.request_id)
             self.served["requests_aborted"] += 1
@@ -535,7 +544,7 @@ class Engine:
             log.warning("request %r: KV transfer failed: %s", plan.request_id, exc.message)
             self.served["decode_kv_failures"] += 1
             # TensorRT-LLM reports every failed transfer as a plain executor error; the full engine names it.
-            code = error_pb2.ERROR_CODE_INTERNAL if self.config.trt else exc.code
+            code = error_pb2.ERROR_CODE_INTERNAL if self.config.engine.kv_transfer_errors == "internal" else exc.code
             await em.error(code, exc.message, False)
         except Exception as exc:
             log.exception("request %r failed", plan.request_id)
@@ -741,9 +750,7 @@ class Engine:
             lora=plan.lora_name,
         )
 
-    def _append(
-        self, req: LiveRequest, out: _Output, token: _Token
-    ) -> tuple[generation_pb2.FinishReason, tuple[str, int | str] | None] | None:
+    def _append(self, req: LiveRequest, out: _Output, token: _Token) -> _End | None:
         """Account one generated token; returns the finish reason and stop match if it ends ``out``."""
         plan = req.plan
         token_id = token[0]
@@ -754,6 +761,11 @@ class Engine:
         self._kv_append(req, out, token_id)
         text = out.text
         if token_id in self._eos and not plan.ignore_eos:
+            if not self.config.engine.streams_eos:
+                # TensorRT-LLM's output ends before the end id: it is neither streamed nor counted.
+                out.pending.pop()
+                out.count -= 1
+                req.generated -= 1
             return generation_pb2.FINISH_REASON_STOP, ("eos_token_id", token_id)
         if not plan.text_stops:
             return self._token_stop(req, out, token_id)
@@ -771,9 +783,7 @@ class Engine:
             return generation_pb2.FINISH_REASON_LENGTH, None
         return None
 
-    def _token_stop(
-        self, req: LiveRequest, out: _Output, token_id: int
-    ) -> tuple[generation_pb2.FinishReason, tuple[str, int | str] | None] | None:
+    def _token_stop(self, req: LiveRequest, out: _Output, token_id: int) -> _End | None:
         """TensorRT-LLM's stop words: token sequences matched at the end of the output; without
         ``include_stop_in_output`` the matched ids are dropped (not streamed, not counted)."""
         plan = req.plan
@@ -826,18 +836,31 @@ class Engine:
             out.block_tokens = []
 
     async def _flush(self, em: _Emitter, plan: RequestPlan, out: _Output, *, final: bool) -> bool:
-        """Send what ``out`` may release now (everything when ``final``); ``True`` if a message was sent."""
+        """Send what ``out`` may release now (everything when ``final``); ``True`` if a message was sent.
+
+        Hold-back as TensorRT-LLM's formatter: token ids wait for ``token_holdback`` more tokens; text that could
+        begin a stop string waits until it stops matching; with a token hold-back the text is also one step behind
+        (at most what the previous step had). So while tokens are still held, a step can release text alone: a token
+        event with ``tokens=[]`` and only text.
+        """
+        text = ""
         if final:
             tokens, out.pending = out.pending, []
+            if out.text is not None:
+                text = out.text.release(final=True)
         else:
             ready = len(out.pending) - plan.token_holdback
-            if ready < self.config.stream_interval:
-                return False
-            tokens = out.pending[:ready]
-            del out.pending[:ready]
-        text = out.text.release(final=final) if out.text is not None else ""
+            tokens = []
+            if ready >= self.config.stream_interval:
+                tokens = out.pending[:ready]
+                del out.pending[:ready]
+            # With a stream interval above 1 only the steps that release tokens are results at all.
+            if out.text is not None and (tokens or self.config.stream_interval == 1):
+                text = out.text.release(final=False, lag=plan.token_holdback > 0)
+        if not plan.detokenize:
+            text = ""
         if tokens or text:
-            await em.token(out.index, tokens, text if plan.detokenize else "")
+            await em.token(out.index, tokens, text)
             return True
         return False
 
@@ -849,7 +872,21 @@ class Engine:
             self._decoding_sequences -= 1
         return req.unfinished == 0
 
-    async def _decode(self, req: LiveRequest, em: _Emitter, outputs: list[_Output], drop: Callable[[], None]) -> None:
+    async def _decode(
+        self,
+        req: LiveRequest,
+        em: _Emitter,
+        outputs: list[_Output],
+        drop: Callable[[], None],
+        prompt_error: str | None = None,
+    ) -> None:
+        """Decode steps until every output finished.
+
+        ``prompt_error`` (prompt logprobs over the limit, on an engine that streams on after it): TensorRT-LLM's
+        formatter turns the first step's result into that ``EngineError`` alone and formats the next results as
+        usual, so the first step's tokens go out with the second step's and an output that ended in the first step
+        finishes right after the error; when every output ended there, the error is the stream's last event.
+        """
         plan = req.plan
         loop = asyncio.get_running_loop()
         next_at = loop.time()
@@ -863,19 +900,36 @@ class Engine:
                 await req.wait(next_at - now)
             else:
                 await req.wait(0)
+            ended: list[tuple[_Output, _End, bool]] = []
             for out in outputs:
                 if out.finished:
                     continue
                 token = self._next_token(req, out)
                 end = (generation_pb2.FINISH_REASON_LENGTH, None) if token is None else self._append(req, out, token)
                 if end is None:
-                    await self._flush(em, plan, out, final=False)
+                    if prompt_error is None:
+                        await self._flush(em, plan, out, final=False)
                     continue
                 last = self._end_output(req, out)
-                if await self._flush(em, plan, out, final=True) and plan.split_finish_ms > 0:
-                    # The last token message goes out alone; its finished follows in a later write.
-                    await asyncio.sleep(plan.split_finish_ms / 1000.0)
-                await em.finished(out.index, end[0], end[1], last=last)
+                if prompt_error is None:
+                    await self._finish_output(em, plan, out, end, last=last)
+                else:
+                    ended.append((out, end, last))
+            if prompt_error is not None:
+                done = not req.unfinished
+                await em.error(error_pb2.ERROR_CODE_INVALID_ARGUMENT, prompt_error, False, terminal=done)
+                prompt_error = None
+                if done:
+                    return
+                for out, end, last in ended:
+                    await self._finish_output(em, plan, out, end, last=last)
+
+    async def _finish_output(self, em: _Emitter, plan: RequestPlan, out: _Output, end: _End, *, last: bool) -> None:
+        """An output's last tokens and its ``finished`` (``--split-finish-ms`` apart when asked)."""
+        if await self._flush(em, plan, out, final=True) and plan.split_finish_ms > 0:
+            # The last token message goes out alone; its finished follows in a later write.
+            await asyncio.sleep(plan.split_finish_ms / 1000.0)
+        await em.finished(out.index, end[0], end[1], last=last)
 
     async def _context_only(self, req: LiveRequest, em: _Emitter, out: _Output) -> None:
         """The prefill leg: the first token, then ``PrefillReady`` (terminal, with usage, no ``finished``).
@@ -951,7 +1005,12 @@ class Engine:
             "disagg_request_id": session_id,
             "ctx_dp_rank": 0,
         }
-        if self.config.trt and first is not None and first[1] is not None:
+        if (
+            self.config.engine.carries_first_gen_log_probs
+            and req.plan.output_logprobs
+            and first is not None
+            and first[1] is not None
+        ):
             # TensorRT-LLM hands the first token's logprobs to the decode leg, which replays them.
             attributes["first_gen_log_probs"] = [_first_gen_log_probs(first, req.plan.output_top_n)]
         fill_struct(session.attributes_struct, attributes)
@@ -1021,7 +1080,7 @@ class Engine:
         if target == "kv_session":
             raise Rejection(Status.UNIMPLEMENTED, "Abort(kv_session) is not supported")
         if target == "request_id":
-            if not request.request_id:
+            if not request.request_id and self.config.engine.refuses_empty_abort_id:
                 raise Rejection(Status.INVALID_ARGUMENT, "request_id must not be empty")
             req = self.live.get(request.request_id)
             if req is not None and req.abort():

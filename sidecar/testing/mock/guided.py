@@ -3,8 +3,7 @@
 TensorRT-LLM (xgrammar) masks the logits so that every output satisfies the guide. The mock has no logits worth
 masking; it *constructs* a text in the guide's language instead, and the engine streams its tokenization followed by
 EOS. What it cannot construct faithfully it refuses up front (:class:`UnsupportedGuide` → ``UNIMPLEMENTED`` before
-acceptance), as TensorRT-LLM refuses a guide its backend cannot build
-(``../shared/reference/tensorrt-llm-openengine.md`` §6, §11).
+acceptance), as TensorRT-LLM refuses a guide its backend cannot build (``docs/mock.md``, *Generate: validation*).
 
 Supported, per kind (``spec`` is the ``GuidedDecoding`` member's text; for ``choice`` a JSON array of strings):
 
@@ -20,8 +19,15 @@ Supported, per kind (``spec`` is the ``GuidedDecoding`` member's text; for ``cho
   quantifiers; ``^``/``$`` only at the very ends. The output ``re.fullmatch``-es the pattern.
 * ``ebnf_grammar`` — xgrammar/GBNF rules (``name ::= body``; string literals, character classes, rule references,
   grouping, ``|``, ``? * + {m,n}``, ``#`` comments); the start rule is ``root``. Lookahead assertions are refused.
-* ``structural_tag`` — ``{"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}``:
-  one structure, its ``begin``, a JSON instance of its schema, its ``end``. The newer ``format`` form is refused.
+* ``structural_tag`` — the legacy form ``{"type": "structural_tag", "structures": [{"begin", "schema", "end"}],
+  "triggers": [...]}``: one structure, its ``begin``, a JSON instance of its schema, its ``end``; and xgrammar's
+  ``format`` form ``{"type": "structural_tag", "format": F}`` (what TensorRT-LLM passes to xgrammar as it is), where F
+  is one of ``const_string`` (``value``), ``json_schema`` (``json_schema``, the subset above), ``regex``
+  (``pattern``), ``grammar`` (``grammar``), ``any_text`` (a few words, none of its ``excludes`` nor the enclosing
+  tag's end), ``sequence`` / ``or`` (``elements``), ``tag`` (string ``begin``, ``content``, string ``end``),
+  ``triggered_tags`` (``triggers``, ``tags``; one tag whose ``begin`` starts with a trigger) and
+  ``tags_with_separator`` (``tags``, ``separator``; one or two tags). Other format types (token-level formats,
+  ``qwen_xml_parameter``, repetition and dispatch formats) are refused.
 * ``choice`` — one of the non-empty choices (TensorRT-LLM never offers it; the mock does when told to).
 
 Pure: no I/O; the only shared state is a cache of compiled guides. ``random.Random(seed)`` drives every choice, so a
@@ -1133,7 +1139,9 @@ def _structural_tag(spec: Any) -> Callable[[random.Random], str]:
     if not isinstance(spec, dict):
         raise UnsupportedGuide("structural_tag must be a JSON object")
     if "format" in spec:
-        raise UnsupportedGuide("structural_tag: the 'format' form is not supported (use structures + triggers)")
+        if spec.get("type", "structural_tag") != "structural_tag":
+            raise UnsupportedGuide(f"structural_tag: unknown type {spec.get('type')!r}")
+        return _format(spec["format"], "format", ())
     if spec.get("type", "structural_tag") != "structural_tag":
         raise UnsupportedGuide(f"structural_tag: unknown type {spec.get('type')!r}")
     structures, triggers = spec.get("structures"), spec.get("triggers")
@@ -1160,3 +1168,106 @@ def _structural_tag(spec: Any) -> Callable[[random.Random], str]:
         return begin + _dumps(make(rng)) + end
 
     return emit
+
+
+#: ``any_text``: the words it is made of (a real model writes anything; a few words show the slot is free text).
+_FREE_WORDS: Final = ("the", "river", "runs", "past", "a", "quiet", "mill")
+
+
+def _strings(value: Any, path: str, what: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise UnsupportedGuide(f"structural_tag: {path}.{what} must be a string (or a list of strings)")
+
+
+def _elements(fmt: dict[str, Any], path: str, ends: tuple[str, ...]) -> list[Callable[[random.Random], str]]:
+    elements = fmt.get("elements")
+    if not isinstance(elements, list) or not elements:
+        raise UnsupportedGuide(f"structural_tag: {path}.elements must be a non-empty array")
+    return [_format(e, f"{path}.elements[{i}]", ends) for i, e in enumerate(elements)]
+
+
+def _tags(fmt: dict[str, Any], path: str) -> list[tuple[str, Callable[[random.Random], str]]]:
+    """The ``tags`` of ``triggered_tags`` / ``tags_with_separator``: each with its ``begin`` (for triggers)."""
+    tags = fmt.get("tags")
+    if not isinstance(tags, list) or not tags:
+        raise UnsupportedGuide(f"structural_tag: {path}.tags must be a non-empty array")
+    out: list[tuple[str, Callable[[random.Random], str]]] = []
+    for i, tag in enumerate(tags):
+        if not isinstance(tag, dict) or tag.get("type", "tag") != "tag":
+            raise UnsupportedGuide(f"structural_tag: {path}.tags[{i}] must be a tag format")
+        begin = tag.get("begin")
+        out.append((begin if isinstance(begin, str) else "", _format({**tag, "type": "tag"}, f"{path}.tags[{i}]", ())))
+    return out
+
+
+def _format(fmt: Any, path: str, ends: tuple[str, ...]) -> Callable[[random.Random], str]:
+    """One xgrammar structural-tag format → a text maker. ``ends``: the enclosing tag's end strings, which free text
+    (``any_text``) must not contain."""
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise UnsupportedGuide(f"structural_tag: {path} must be an object with a type")
+    kind = fmt["type"]
+    if kind == "const_string":
+        value = fmt.get("value")
+        if not isinstance(value, str) or not value:
+            raise UnsupportedGuide(f"structural_tag: {path}.value must be a non-empty string")
+        return lambda rng: value
+    if kind == "json_schema":
+        if "json_schema" not in fmt:
+            raise UnsupportedGuide(f"structural_tag: {path} needs a json_schema")
+        make = _SchemaCompiler(fmt["json_schema"]).root()
+        return lambda rng: _dumps(make(rng))
+    if kind == "regex":
+        pattern = fmt.get("pattern")
+        if not isinstance(pattern, str):
+            raise UnsupportedGuide(f"structural_tag: {path}.pattern must be a string")
+        return _regex(pattern).text
+    if kind == "grammar":
+        grammar = fmt.get("grammar")
+        if not isinstance(grammar, str):
+            raise UnsupportedGuide(f"structural_tag: {path}.grammar must be a string")
+        return _Grammar(grammar).text
+    if kind == "any_text":
+        excludes = (*_strings(fmt["excludes"], path, "excludes"), *ends) if fmt.get("excludes") else ends
+
+        def free(rng: random.Random) -> str:
+            for _ in range(8):
+                text = " ".join(rng.choice(_FREE_WORDS) for _ in range(rng.randint(1, 4)))
+                if not any(x and x in text for x in excludes):
+                    return text
+            return ""  # no text at all is free text too
+
+        return free
+    if kind == "sequence":
+        parts = _elements(fmt, path, ends)
+        return lambda rng: "".join(part(rng) for part in parts)
+    if kind == "or":
+        options = _elements(fmt, path, ends)
+        return lambda rng: rng.choice(options)(rng)
+    if kind == "tag":
+        begin = _strings(fmt.get("begin"), path, "begin")
+        end = _strings(fmt.get("end"), path, "end")
+        if "content" not in fmt:
+            raise UnsupportedGuide(f"structural_tag: {path} needs a content")
+        content = _format(fmt["content"], f"{path}.content", end)
+        return lambda rng: rng.choice(begin) + content(rng) + rng.choice(end)
+    if kind == "triggered_tags":
+        triggers = fmt.get("triggers")
+        if not isinstance(triggers, list) or not triggers or not all(isinstance(x, str) and x for x in triggers):
+            raise UnsupportedGuide(f"structural_tag: {path}.triggers must be a non-empty array of strings")
+        tags = _tags(fmt, path)
+        for i, (opening, _) in enumerate(tags):
+            if not any(opening.startswith(x) for x in triggers):
+                raise UnsupportedGuide(f"structural_tag: {path}.tags[{i}].begin starts with no trigger")
+        makers = [make for _, make in tags]
+        return lambda rng: rng.choice(makers)(rng)  # one tag: valid with or without at_least_one/stop_after_first
+    if kind == "tags_with_separator":
+        separator = fmt.get("separator")
+        if not isinstance(separator, str) or not separator:
+            raise UnsupportedGuide(f"structural_tag: {path}.separator must be a non-empty string")
+        makers = [make for _, make in _tags(fmt, path)]
+        once = bool(fmt.get("stop_after_first", False))
+        return lambda rng: separator.join(rng.choice(makers)(rng) for _ in range(1 if once else rng.randint(1, 2)))
+    raise UnsupportedGuide(f"structural_tag: {path}: format type {kind!r} is not supported by openengine-mock")

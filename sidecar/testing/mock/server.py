@@ -3,8 +3,8 @@
 Stopping (``--stop-grace-secs``, TensorRT-LLM's ``server.stop(grace=5)`` on grpcio): the listener closes; every
 connection gets a GOAWAY with last-stream-id 2^31−1 and a PING, then — once the PING is answered (or after a second) —
 a second GOAWAY with the real last stream id. Streams opened after that are refused (``RST_STREAM REFUSED_STREAM``);
-open streams keep running until they end or the grace ends; whatever remains is then reset (``CANCEL``) and the
-connections closed. Exit code 0.
+open streams keep running until they end or the grace ends; whatever remains then gets grpc-core's trailers
+(``grpc-status 14``, "Cancelling all calls") and ``RST_STREAM NO_ERROR``, and the connections are closed. Exit code 0.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from h2.errors import ErrorCodes
 from h2.events import PingAckReceived, RequestReceived
 from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes
-from hyperframe.frame import GoAwayFrame
+from hyperframe.frame import GoAwayFrame, RstStreamFrame
 
 from .engine import Engine
 from .service import ControlService, InferenceService, LimitedProtoCodec
@@ -63,6 +63,10 @@ _MAX_STREAM_ID = 2**31 - 1
 _GOAWAY_PING = b"oe-goawy"
 #: The second GOAWAY is sent after this long even when the PING is never answered.
 _GOAWAY_PING_TIMEOUT_S = 1.0
+#: The trailers grpc-core ends a call with when the stop grace runs out (``grpc_server_cancel_all_calls``).
+_CUT_TRAILERS = [("grpc-status", "14"), ("grpc-message", "Cancelling all calls")]
+#: What a trailers-only response carries before them (a call cut before its first message).
+_TRAILERS_ONLY = [(":status", "200"), ("content-type", "application/grpc")]
 
 
 class _MockProtocol(H2Protocol):
@@ -149,14 +153,25 @@ class _MockProtocol(H2Protocol):
         self._write_goaway(self._last_stream_id)
 
     def cut(self) -> None:
-        """The grace is over: reset every open stream (``CANCEL``) and close the connection."""
+        """The grace is over: end every open stream as grpc-core does — trailers ``grpc-status 14`` ("Cancelling all
+        calls"; a trailers-only response where no headers went out yet), then ``RST_STREAM NO_ERROR`` — and close
+        the connection."""
         if self.connection.is_closing():
             return
         h2 = self.connection._connection
+        ended: list[int] = []
         for stream_id in list(self.processor.streams):
+            stream = h2.streams.get(stream_id)
+            if stream is None:
+                continue
+            headers = _CUT_TRAILERS if stream.state_machine.headers_sent else [*_TRAILERS_ONLY, *_CUT_TRAILERS]
             with contextlib.suppress(Exception):  # a stream h2 already closed
-                h2.reset_stream(stream_id, ErrorCodes.CANCEL)
+                h2.send_headers(stream_id, headers, end_stream=True)
+                ended.append(stream_id)
         self.connection.flush()
+        # h2 considers a stream closed once both sides ended it; grpc-core resets it anyway (NO_ERROR).
+        for stream_id in ended:
+            self.connection._transport.write(RstStreamFrame(stream_id, error_code=ErrorCodes.NO_ERROR).serialize())
         self.connection.close()
 
 
@@ -242,7 +257,7 @@ async def _serve(config: MockConfig, lm: LanguageModel | None, stop: asyncio.Eve
     if lm is None:
         lm = _load_model(config)
     engine = Engine(config, lm)
-    if config.trt and config.startup_delay > 0:
+    if config.engine.port_closed_while_loading and config.startup_delay > 0:
         # TensorRT-LLM opens its port only once the model is loaded (no STARTING state): the delay is spent closed.
         log.info("loading for %g s before listening (--startup-delay)", config.startup_delay)
         with contextlib.suppress(TimeoutError):

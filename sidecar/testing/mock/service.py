@@ -25,7 +25,7 @@ from openengine.v1 import (
 from .kvcache import BLOCK_HASH_ALGO
 from .kvevents import KvEventFeed, KvFault, Subscription
 from .structs import fill_struct
-from .validate import Rejection, guided_modes
+from .validate import Rejection
 
 if TYPE_CHECKING:
     from grpclib._typing import IProtoMessage
@@ -173,13 +173,12 @@ class ControlService(openengine_grpc.ControlBase):
             minimum_client_revision=1,
             schema_release=cfg.schema_release,
         )
-        info.parallelism.tensor_parallel_size = 1
-        info.parallelism.pipeline_parallel_size = 1
-        if not cfg.trt or cfg.newer:  # TensorRT-LLM's baseline reports no data_parallel_size
-            info.parallelism.data_parallel_size = 1
+        engine = cfg.engine
+        for size in engine.parallelism:  # one engine, one rank: every size the profile reports is 1
+            setattr(info.parallelism, size, 1)
         capacity = info.capacity
         capacity.kv_block_size = cfg.kv_block_size
-        if not cfg.trt or cfg.newer:  # the baseline leaves total_kv_blocks unset
+        if engine.reports_total_kv_blocks:
             capacity.total_kv_blocks = cfg.total_kv_blocks
         capacity.max_running_requests = cfg.max_running_requests
         capacity.max_batched_tokens = cfg.max_batched_tokens
@@ -193,7 +192,7 @@ class ControlService(openengine_grpc.ControlBase):
             kvc.supports_decode_pull = False
             kvc.supports_abort_cleanup = False
             kvc.schema_version = 1
-            if not cfg.trt:  # TensorRT-LLM lists neither protocols nor endpoints
+            if engine.kv_connector_shape == "mock":  # TensorRT-LLM lists neither protocols nor endpoints
                 kvc.supported_protocols.append("tcp")
                 kvc.local_endpoints.add(
                     host=self._engine.listen_host, port=self._engine.kv_sessions.port, protocol="tcp"
@@ -201,20 +200,20 @@ class ControlService(openengine_grpc.ControlBase):
         # TensorRT-LLM's baseline sends no extra; the mock keeps its own keys (mock_stats is how tests see what the
         # engine served), which clients ignore.
         extra: dict[str, object] = {"mock": True, "mock_kv_block_hash_algo": BLOCK_HASH_ALGO}
-        if cfg.newer:
+        if engine.trtllm_extra_flags:
             extra.update(trtllm_supports_dp_rank_targeting=True, trtllm_supports_subagent_affinity=False)
         fill_struct(info.extra, extra)
         # Cumulative counters of what this engine served (disaggregation tests check which engine did which leg).
-        engine = self._engine
+        served = self._engine
         stats = {
-            **engine.served,
-            **engine.kv_sessions.stats,
-            "last_media": engine.last_media,
+            **served.served,
+            **served.kv_sessions.stats,
+            "last_media": served.last_media,
             # Gauges, whatever --load-report hides from GetLoad (TensorRT-LLM's shows neither): leak checks.
-            "live_requests": len(engine.live),
-            "prefilling_requests": engine.prefilling,
-            "active_kv_sessions": engine.kv_sessions.active,
-            "used_kv_blocks": engine.pool.used_blocks,
+            "live_requests": len(served.live),
+            "prefilling_requests": served.prefilling,
+            "active_kv_sessions": served.kv_sessions.active,
+            "used_kv_blocks": served.pool.used_blocks,
         }
         fill_struct(info.extra, {"mock_stats": stats})
         return info
@@ -223,7 +222,7 @@ class ControlService(openengine_grpc.ControlBase):
         cfg = self._config
         caps = cfg.capabilities
         # TensorRT-LLM serves one model and resolves any name to it; the full engine knows its names.
-        if request.model and request.model not in cfg.model_names and not cfg.trt:
+        if request.model and request.model not in cfg.model_names and not cfg.engine.serves_unknown_models:
             raise Rejection(Status.NOT_FOUND, f"model {request.model!r} is not served here")
         info = model_pb2.ModelInfo(
             model_id=cfg.served_model_name,
@@ -248,7 +247,7 @@ class ControlService(openengine_grpc.ControlBase):
                 caps_msg.max_top_n = cfg.max_top_n
         gen.guided_decoding.supported = caps.guided
         if caps.guided:
-            gen.guided_decoding.modes.extend(_GUIDED_MODE_NUMBERS[mode] for mode in guided_modes(cfg))
+            gen.guided_decoding.modes.extend(_GUIDED_MODE_NUMBERS[mode] for mode in cfg.engine.guided_modes)
         if cfg.max_num_sequences is not None:
             gen.max_num_sequences = cfg.max_num_sequences
         gen.supports_priority = caps.priority

@@ -3,8 +3,11 @@
 * Text is produced incrementally (the prefix/read-offset method): a token whose bytes do not yet form complete UTF-8
   yields no text until a later token completes it, so deltas never carry a replacement character mid-stream.
 * Text that could be the beginning of a stop string is **held back** (not released) until it either completes the stop
-  string — then the output stops and the stop string is cut (or kept with ``include_stop_in_output``) — or stops
-  matching, and is then released as catch-up text. The final release flushes everything that is left.
+  string — then the output stops and the stop string is cut — or stops matching, and is then released as catch-up
+  text. With ``include_stop_in_output`` nothing is held back (as TensorRT-LLM's formatter: nothing would be cut). The
+  final release flushes everything that is left.
+* ``lag``: when the engine also holds token ids back (a multi-token stop word), TensorRT-LLM releases at most the
+  text the previous step had, one step behind.
 """
 
 from __future__ import annotations
@@ -21,7 +24,18 @@ _REPLACEMENT = "\ufffd"
 class OutputText:
     """The text of one output. Feed tokens with :meth:`push`, then :meth:`match_stop` and :meth:`release`."""
 
-    __slots__ = ("_ids", "_include_stop", "_lm", "_prefix", "_read", "_released", "_stops", "stopped", "text")
+    __slots__ = (
+        "_ids",
+        "_include_stop",
+        "_lm",
+        "_observed",
+        "_prefix",
+        "_read",
+        "_released",
+        "_stops",
+        "stopped",
+        "text",
+    )
 
     def __init__(self, lm: LanguageModel, stop_texts: Sequence[str] = (), *, include_stop: bool = False) -> None:
         self._lm = lm
@@ -31,6 +45,7 @@ class OutputText:
         self._prefix = 0
         self._read = 0
         self._released = 0
+        self._observed = 0  # the text's length at the previous release (``lag``)
         #: Everything detokenized so far (cut at the stop string once one matched).
         self.text = ""
         #: The stop string that ended this output, if any.
@@ -49,7 +64,8 @@ class OutputText:
             return self.stopped
         best: tuple[int, str] | None = None
         for stop in self._stops:
-            index = self.text.find(stop, self._released)
+            # With include_stop_in_output nothing is held back: part of the stop string may be out already.
+            index = self.text.find(stop, max(self._released - len(stop) + 1, 0))
             if index >= 0 and (best is None or index < best[0] or (index == best[0] and len(stop) > len(best[1]))):
                 best = (index, stop)
         if best is None:
@@ -70,14 +86,18 @@ class OutputText:
         self._prefix = self._read = len(self._ids)
         self.stopped = ""
 
-    def release(self, *, final: bool) -> str:
-        """The text that may be sent now; ``final`` flushes held-back text and incomplete UTF-8 as well."""
+    def release(self, *, final: bool, lag: bool = False) -> str:
+        """The text that may be sent now; ``final`` flushes held-back text and incomplete UTF-8 as well; ``lag``:
+        no more than the text had at the previous release."""
         if final:
             if self.stopped is None:
                 self.text += self._delta(final=True)
             end = len(self.text)
         else:
             end = len(self.text) - self._holdback()
+            if lag:
+                end = min(end, self._observed)
+            self._observed = len(self.text)
         if end <= self._released:
             return ""
         chunk = self.text[self._released : end]
@@ -86,7 +106,7 @@ class OutputText:
 
     def _holdback(self) -> int:
         """Length of the longest unreleased suffix that is a proper prefix of some stop string."""
-        if not self._stops:
+        if not self._stops or self._include_stop:
             return 0
         text = self.text
         available = len(text) - self._released

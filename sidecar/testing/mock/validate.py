@@ -1,6 +1,6 @@
 """``GenerateRequest`` + metadata → :class:`RequestPlan`, or a :class:`Rejection` (a status before acceptance).
 
-The checks run in TensorRT-LLM's order (``tensorrt-llm-openengine.md`` §6): id, model, duplicate id, unsupported
+The checks run in TensorRT-LLM's order (``docs/mock.md``, *Generate: validation*): id, model, duplicate id, unsupported
 features, input, sampling/stopping/response/guided/``extra``, metadata, cache salt, disaggregation, then the
 "engine" checks (prompt length, window, KV capacity). The first failing check wins. Validation is synchronous, so the
 duplicate-id check and the registration that follows it are atomic on the event loop.
@@ -42,7 +42,6 @@ __all__ = [
     "Rejection",
     "ReplayLogprob",
     "RequestPlan",
-    "guided_modes",
     "validate_request",
 ]
 
@@ -52,10 +51,6 @@ PROMPT_LOGPROB_LIMIT = 1_000_000
 _INT32 = (-(2**31), 2**31 - 1)
 _DECIMAL = re.compile(r"[+-]?[0-9]+")
 _REQUEST_TYPES = ("context_and_generation", "context_only")
-#: The guides TensorRT-LLM's xgrammar backend builds (``capabilities.py``), in its order; never ``choice``.
-XGRAMMAR_MODES = ("json_schema", "regex", "ebnf_grammar", "structural_tag", "json_object")
-#: The ``full`` engine's guides (with ``--capability guided=true``).
-FULL_GUIDED_MODES = ("json_object", "choice")
 #: ``Modality`` numbers (generation.proto) → names; UNSPECIFIED (0) and unknown numbers are refused.
 _MODALITIES = {1: "image", 2: "video", 3: "audio"}
 #: The mock model's media placeholders: prompt text ``<image>`` stands where ``media[i]`` (an image) goes.
@@ -158,11 +153,6 @@ class RequestPlan:
         return self.temperature == 0.0
 
 
-def guided_modes(config: MockConfig) -> tuple[str, ...]:
-    """The guides advertised (``ModelInfo.generation.guided_decoding.modes``) and accepted when guided is enabled."""
-    return XGRAMMAR_MODES if config.trt else FULL_GUIDED_MODES
-
-
 def _reject(status: Status, message: str) -> Rejection:
     return Rejection(status, message)
 
@@ -251,7 +241,7 @@ def _metadata_checks(metadata: MultiDict[str | bytes] | None, config: MockConfig
     for key in sorted(keys):
         if key.startswith("openengine-") and len(metadata.getall(key)) > 1:
             raise _invalid(f"metadata key {key!r} must not be repeated")
-    if config.newer:
+    if config.engine.refuses_unknown_metadata:
         unknown = sorted(k for k in keys if k.startswith("openengine-") and k not in _NEWER_METADATA_KEYS)
         if unknown:
             raise _unimplemented(f"metadata {', '.join(unknown)} is not supported")
@@ -269,7 +259,7 @@ def _metadata_checks(metadata: MultiDict[str | bytes] | None, config: MockConfig
         priority = int(text)
     raw_rank = metadata.get("openengine-target-dp-rank")
     if raw_rank is not None:
-        if not config.newer:
+        if not config.engine.targets_dp_rank:
             raise _unimplemented("metadata openengine-target-dp-rank is not supported")
         text = raw_rank.decode() if isinstance(raw_rank, bytes) else raw_rank
         if not _DECIMAL.fullmatch(text.strip()) or not 0 <= int(text) < _DP_SIZE:
@@ -367,46 +357,99 @@ def _replay_logprobs(raw: JsonValue) -> tuple[ReplayLogprob, ...]:
     return tuple(positions)
 
 
-def validate_request(
-    request: generation_pb2.GenerateRequest,
-    metadata: MultiDict[str | bytes] | None,
-    *,
-    config: MockConfig,
-    lm: LanguageModel,
-    is_live: Callable[[str], bool],
-    loras: Collection[str],
-) -> RequestPlan:
-    """Check ``request`` and resolve its defaults; raises :class:`Rejection` on the first failed rule."""
-    caps = config.capabilities
-    extra = _extra(request)
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Features:
+    """Step 4: the optional features a request asks for."""
 
-    # 0. Mock faults first, so a test can force any pre-acceptance status.
-    faults = MockFaults()
+    media: tuple[MediaInput, ...]
+    lora_name: str | None
+    bypass_prefix_cache: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Sampling:
+    """Step 6: ``SamplingParams`` with TensorRT-LLM's defaults resolved."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    n: int
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Stopping:
+    """Step 6: ``StoppingOptions`` (``max_tokens`` is resolved against the window at step 10)."""
+
+    stop_texts: tuple[str, ...]
+    stop_ids: frozenset[int]
+    include_stop: bool
+    min_tokens: int | None
+    ignore_eos: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Response:
+    """Step 6: ``ResponseOptions``."""
+
+    output_logprobs: bool
+    output_top_n: int
+    prompt_logprobs: bool
+    prompt_top_n: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Extra:
+    """Step 6: the ``extra`` keys the engine reads."""
+
+    context_only: bool
+    detokenize: bool
+
+
+def _fault_spec(
+    request: generation_pb2.GenerateRequest, extra: dict[str, JsonValue], config: MockConfig, lm: LanguageModel
+) -> MockFaults:
+    """Step 0: ``extra.mock`` (or a prompt directive), first, so a test can force any pre-acceptance status."""
     spec = extra.get("mock")
     if spec is None and config.faults_from_prompt:
         text = request.prompt if request.WhichOneof("input") == "prompt" else lm.decode(request.token_ids.ids)
         spec = prompt_fault_spec(text)
-    if spec is not None:
+    if spec is None:
+        faults = MockFaults()
+    else:
         try:
             faults = parse_faults(spec)
         except FaultError as exc:
             raise _invalid(str(exc)) from None
         if faults.reject_status is not None:
             raise _reject(faults.reject_status, faults.reject_message or "rejected by extra.mock.reject_status")
+    if config.fault_violation is not None and faults.violation is None:
+        faults = dataclasses.replace(faults, violation=cast("Violation", config.fault_violation))
+    return faults
 
-    # 1–3. Identity.
+
+def _identity(request: generation_pb2.GenerateRequest, config: MockConfig, is_live: Callable[[str], bool]) -> None:
+    """Steps 1–3: request id, model, duplicate id."""
     if not request.request_id:
         raise _invalid("request_id must not be empty")
     if not request.model:
         raise _invalid("model must not be empty")
-    if request.model not in config.model_names and not config.trt:  # TensorRT-LLM serves any name
+    if request.model not in config.model_names and not config.engine.serves_unknown_models:
         raise _reject(
             Status.NOT_FOUND, f"model {request.model!r} is not served here (serving {config.served_model_name!r})"
         )
     if is_live(request.request_id):
         raise _reject(Status.ALREADY_EXISTS, f"request_id {request.request_id!r} is already active")
 
-    # 4. Features this engine may not support.
+
+def _features(request: generation_pb2.GenerateRequest, config: MockConfig, loras: Collection[str]) -> _Features:
+    """Step 4: media, LoRA and prefix-cache bypass, each only where advertised."""
+    caps = config.capabilities
     media: tuple[MediaInput, ...] = ()
     if request.media:
         if not caps.multimodal:
@@ -421,18 +464,22 @@ def validate_request(
     bypass = request.kv.bypass_prefix_cache if request.HasField("kv") else False
     if bypass and not caps.prefix_cache_bypass:
         raise _unimplemented("kv.bypass_prefix_cache is not supported (supports_prefix_cache_bypass=false)")
+    return _Features(media, lora_name, bypass)
 
-    # 5. Input.
+
+def _input(
+    request: generation_pb2.GenerateRequest, config: MockConfig, lm: LanguageModel, media: tuple[MediaInput, ...]
+) -> list[int]:
+    """Step 5: exactly one input; token ids in the vocabulary (a prompt is tokenized at step 10, like TRT)."""
     kind = request.WhichOneof("input")
     if kind is None:
         raise _invalid("exactly one of prompt or token_ids is required")
-    prompt_ids: list[int]
+    prompt_ids: list[int] = []
     if kind == "prompt":
         if not request.prompt:
             raise _invalid("prompt must not be empty")
-        if not caps.text_input:
+        if not config.capabilities.text_input:
             raise _unimplemented("text prompts are not supported (supports_text_input=false); send token_ids")
-        prompt_ids = []  # tokenized at step 10, like TRT's generate_async
     else:
         prompt_ids = list(request.token_ids.ids)
         if not prompt_ids:
@@ -442,18 +489,17 @@ def validate_request(
             raise _invalid(f"token id {bad} is out of range (vocab_size={lm.vocab_size})")
     if media:
         _placeholder_checks(request.prompt if kind == "prompt" else lm.decode(prompt_ids), media)
+    return prompt_ids
 
-    # 6. Sampling, stopping, response options, guided decoding, extra.
-    # TensorRT-LLM's request mapping passes some out-of-range values through, and its executor then fails the
-    # submitted request (the first such reason is kept; pre-acceptance checks below still win).
-    deferred: list[str] = []
-    trt = config.trt
-    sampling = request.sampling
+
+def _sampling(sampling: generation_pb2.SamplingParams, config: MockConfig, deferred: list[str]) -> _Sampling:
+    """Step 6: sampling. What TensorRT-LLM's request mapping passes and its executor refuses goes to ``deferred``."""
+    passes_through = config.engine.invalid_sampling == "engine_error"
     temperature = _finite("temperature", sampling.temperature) if sampling.HasField("temperature") else 1.0
     if temperature < 0:
         raise _invalid(f"temperature must be >= 0, got {temperature}")
     top_p = _finite("top_p", sampling.top_p) if sampling.HasField("top_p") else 1.0
-    if trt:
+    if passes_through:
         if not 0.0 <= top_p <= 1.0:
             raise _invalid(f"top_p must be in [0, 1], got {top_p}")
         if top_p == 0.0:
@@ -465,14 +511,14 @@ def validate_request(
         raise _invalid(f"top_k must be >= 0, got {top_k}")
     min_p = _finite("min_p", sampling.min_p) if sampling.HasField("min_p") else 0.0
     if not 0.0 <= min_p <= 1.0:
-        if not trt:
+        if not passes_through:
             raise _invalid(f"min_p must be in [0, 1], got {min_p}")
         deferred.append(f"min_p={min_p} is rejected by the sampler")
     for name in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
         if sampling.HasField(name):
             _finite(name, getattr(sampling, name))
     if sampling.HasField("repetition_penalty") and sampling.repetition_penalty <= 0:
-        if not trt:
+        if not passes_through:
             raise _invalid("repetition_penalty must be > 0")
         deferred.append(f"repetition_penalty={sampling.repetition_penalty} is rejected by the sampler")
     n = sampling.num_sequences if sampling.HasField("num_sequences") else 1
@@ -481,36 +527,47 @@ def validate_request(
     if config.max_num_sequences is not None and n > config.max_num_sequences:
         raise _invalid(f"num_sequences={n} exceeds max_num_sequences={config.max_num_sequences}")
     # TensorRT-LLM's SamplingParams: temperature 0, top_k 1 and top_p 0 are each greedy.
-    greedy = temperature == 0.0 or (trt and (top_k == 1 or top_p == 0.0))
+    greedy = temperature == 0.0 or (config.engine.greedy_by_top_k_or_top_p and (top_k == 1 or top_p == 0.0))
     if n > 1 and greedy:
         raise _invalid("greedy sampling (temperature=0, top_k=1 or top_p=0) does not support num_sequences > 1")
     seed = sampling.seed if sampling.HasField("seed") else None
+    return _Sampling(temperature, top_p, top_k, min_p, seed, n)
 
-    stopping = request.stopping
+
+def _stopping(stopping: generation_pb2.StoppingOptions, config: MockConfig, deferred: list[str]) -> _Stopping:
+    """Step 6: stop conditions, ``max_tokens`` 0, ``include_stop_in_output``, ``ignore_eos``."""
+    engine = config.engine
     if len(stopping.conditions) > MAX_STOP_CONDITIONS:
         raise _invalid(f"at most {MAX_STOP_CONDITIONS} stop conditions are allowed, got {len(stopping.conditions)}")
     stop_texts: list[str] = []
     stop_ids: set[int] = set()
     for i, cond in enumerate(stopping.conditions):
         which = cond.WhichOneof("condition")
-        if which == "stop_text" and cond.stop_text:
-            stop_texts.append(cond.stop_text)
+        if which == "stop_text" and (cond.stop_text or not engine.refuses_empty_stop_text):
+            if cond.stop_text:  # TensorRT-LLM keeps an empty one: its empty tokenization never matches
+                stop_texts.append(cond.stop_text)
         elif which == "stop_token_id":
             stop_ids.add(cond.stop_token_id)
         else:
             raise _invalid(f"stopping.conditions[{i}] is empty")
     if stopping.HasField("max_tokens") and stopping.max_tokens == 0:
-        if not trt:
+        if engine.invalid_sampling == "refused":
             raise _invalid("max_tokens must be > 0")
         deferred.append("max_tokens=0 is rejected by the executor")
     include_stop = stopping.include_stop_in_output if stopping.HasField("include_stop_in_output") else False
-    if include_stop and not caps.stop_in_output:
+    if include_stop and not config.capabilities.stop_in_output:
         raise _unimplemented("include_stop_in_output is not supported (supports_stop_in_output=false)")
-    if trt and stopping.HasField("ignore_eos") and stopping.ignore_eos:
+    ignore_eos = stopping.ignore_eos if stopping.HasField("ignore_eos") else False
+    if engine.ignore_eos_drops_stop_words and ignore_eos:
         # TensorRT-LLM's SamplingParams: ignore_eos drops every stop word, not only the end id.
         stop_texts, stop_ids = [], set()
+    min_tokens = stopping.min_tokens if stopping.HasField("min_tokens") else None
+    return _Stopping(tuple(stop_texts), frozenset(stop_ids), include_stop, min_tokens, ignore_eos)
 
-    response = request.response
+
+def _response_options(response: generation_pb2.ResponseOptions, config: MockConfig) -> _Response:
+    """Step 6: prompt and output logprobs (top-N only)."""
+    caps = config.capabilities
     output_logprobs = response.return_output_logprobs if response.HasField("return_output_logprobs") else False
     prompt_logprobs = response.return_prompt_logprobs if response.HasField("return_prompt_logprobs") else False
     if output_logprobs and not caps.output_logprobs:
@@ -521,59 +578,71 @@ def validate_request(
     prompt_top_n = _candidates("prompt_candidates", response, "prompt_candidates", config.max_top_n)
     if response.HasField("prompt_logprob_start") and response.prompt_logprob_start != 0:
         raise _unimplemented("prompt_logprob_start != 0 is not supported")
+    return _Response(output_logprobs, output_top_n, prompt_logprobs, prompt_top_n)
 
-    script: tuple[int, ...] | None = None
-    script_ends_with_eos = False
-    compiled_guide: Guide | None = None
-    if request.HasField("guided"):
-        guided = request.guided
-        if guided.backend:
-            raise _unimplemented(f"guided.backend {guided.backend!r}: per-request backends are not supported")
-        guide = guided.WhichOneof("guide")
-        if guide is not None:
-            if not caps.guided:
-                raise _unimplemented("guided decoding is not supported")
-            if guide not in guided_modes(config):
-                backend = "the xgrammar backend" if config.trt else "openengine-mock"
-                raise _unimplemented(f"guided decoding mode {guide!r} is not supported by {backend}")
-            if guide == "choice":
-                if not any(guided.choice.choices):
-                    raise _invalid("guided.choice needs at least one non-empty choice")
-                guide_spec = json.dumps(list(guided.choice.choices))
-            elif guide == "json_object":
-                guide_spec = ""
-            else:
-                guide_spec = str(getattr(guided, guide))
-            try:
-                compiled_guide = compile_guide(guide, guide_spec)
-            except UnsupportedGuide as exc:
-                raise _unimplemented(f"guided.{guide}: {exc.message}") from None
-    if faults.tokens is not None:
-        bad = next((t for t in faults.tokens if t >= lm.vocab_size), None)
-        if bad is not None:
-            raise _invalid(f"extra.mock.tokens: token id {bad} is out of range (vocab_size={lm.vocab_size})")
-        script = faults.tokens
-        script_ends_with_eos = False
 
+def _guide(request: generation_pb2.GenerateRequest, config: MockConfig) -> Guide | None:
+    """Step 6: guided decoding — one guide the profile lists and ``guided.py`` can construct."""
+    if not request.HasField("guided"):
+        return None
+    guided = request.guided
+    if guided.backend:
+        raise _unimplemented(f"guided.backend {guided.backend!r}: per-request backends are not supported")
+    guide = guided.WhichOneof("guide")
+    if guide is None:
+        return None
+    if not config.capabilities.guided:
+        raise _unimplemented("guided decoding is not supported")
+    if guide not in config.engine.guided_modes:
+        raise _unimplemented(f"guided decoding mode {guide!r} is not supported by {config.engine.guided_backend}")
+    if guide == "choice":
+        if not any(guided.choice.choices):
+            raise _invalid("guided.choice needs at least one non-empty choice")
+        spec = json.dumps(list(guided.choice.choices))
+    elif guide == "json_object":
+        spec = ""
+    else:
+        spec = str(getattr(guided, guide))
+    try:
+        return compile_guide(guide, spec)
+    except UnsupportedGuide as exc:
+        raise _unimplemented(f"guided.{guide}: {exc.message}") from None
+
+
+def _extra_options(extra: dict[str, JsonValue], config: MockConfig, has_session: bool) -> _Extra:
+    """Step 6: ``extra.request_type``, ``extra.detokenize``, ``extra.conversation_id``.
+
+    An engine whose ``kv.session`` decides the leg never reads ``request_type`` when a session is there; one that does
+    not check the other keys' types (TensorRT-LLM's merged server never reads them) treats a wrong type as unset.
+    """
+    engine = config.engine
     request_type = extra.get("request_type", "context_and_generation")
+    if has_session and engine.session_overrides_request_type:
+        request_type = "context_and_generation"
     if not isinstance(request_type, str) or request_type not in _REQUEST_TYPES:
         raise _invalid(f"extra.request_type must be one of {', '.join(_REQUEST_TYPES)}, got {request_type!r}")
     detokenize = extra.get("detokenize", True)
     if not isinstance(detokenize, bool):
-        raise _invalid(f"extra.detokenize must be a boolean, got {detokenize!r}")
-    if "conversation_id" in extra and not isinstance(extra["conversation_id"], str):
+        if engine.checks_extra_types:
+            raise _invalid(f"extra.detokenize must be a boolean, got {detokenize!r}")
+        detokenize = True
+    if engine.checks_extra_types and "conversation_id" in extra and not isinstance(extra["conversation_id"], str):
         raise _invalid("extra.conversation_id must be a string")
-    context_only = request_type == "context_only"
+    return _Extra(context_only=request_type == "context_only", detokenize=detokenize)
 
-    # 7. Metadata.
-    priority = _metadata_checks(metadata, config, n)
 
-    # 8. Cache salt.
+def _cache_salt(request: generation_pb2.GenerateRequest, config: MockConfig) -> str | None:
+    """Step 8: ``kv.cache_salt`` where advertised."""
     cache_salt = request.kv.cache_salt if request.HasField("kv") and request.kv.HasField("cache_salt") else None
-    if cache_salt is not None and not caps.cache_salt:
+    if cache_salt is not None and not config.capabilities.cache_salt:
         raise _unimplemented("kv.cache_salt is not supported (supports_cache_salt=false)")
+    return cache_salt or None
 
-    # 9. Disaggregation: roles and the replayed session.
+
+def _disaggregation(
+    request: generation_pb2.GenerateRequest, config: MockConfig, lm: LanguageModel, context_only: bool, n: int
+) -> DecodeSession | None:
+    """Step 9: the leg against the engine's role, and the replayed session of a decode leg."""
     has_session = request.HasField("kv") and request.kv.HasField("session")
     if config.role == "prefill" and (has_session or not context_only):
         raise _reject(
@@ -586,14 +655,36 @@ def validate_request(
         raise _invalid("extra.request_type=context_only cannot be combined with kv.session")
     if context_only and n > 1:
         raise _invalid("extra.request_type=context_only supports num_sequences=1 only")
-    session = _decode_session(request) if has_session else None
-    if session is not None:
-        bad = next((t for t in session.replay_tokens if t >= lm.vocab_size), None)
-        if bad is not None:
-            raise _invalid(f"kv.session: first_gen_tokens id {bad} is out of range")
+    if not has_session:
+        return None
+    session = _decode_session(request)
+    bad = next((t for t in session.replay_tokens if t >= lm.vocab_size), None)
+    if bad is not None:
+        raise _invalid(f"kv.session: first_gen_tokens id {bad} is out of range")
+    return session
 
-    # 10. What generate_async would refuse.
-    if kind == "prompt":
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Budget:
+    """Step 10: the prompt as the engine sees it and what it may generate."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    min_tokens: int
+
+
+def _engine_limits(
+    request: generation_pb2.GenerateRequest,
+    config: MockConfig,
+    lm: LanguageModel,
+    prompt_ids: list[int],
+    *,
+    n: int,
+    context_only: bool,
+    min_tokens: int | None,
+) -> _Budget:
+    """Step 10: what ``generate_async`` would refuse — an empty tokenization, the window, the KV pool."""
+    if request.WhichOneof("input") == "prompt":
         prompt_ids = lm.encode(request.prompt)
         if not prompt_ids:
             raise _invalid("prompt tokenizes to zero tokens")
@@ -604,7 +695,8 @@ def validate_request(
     budget = window - prompt_len
     if config.max_output_tokens is not None:
         budget = min(budget, config.max_output_tokens)
-    if stopping.HasField("max_tokens") and trt:
+    stopping = request.stopping
+    if stopping.HasField("max_tokens") and config.engine.clamps_max_tokens:
         # TensorRT-LLM serves an over-long max_tokens up to the window instead of refusing it.
         max_tokens = min(stopping.max_tokens, budget) or 1
     elif stopping.HasField("max_tokens"):
@@ -617,58 +709,97 @@ def validate_request(
         max_tokens = budget
     if context_only:
         max_tokens = 1
-    min_tokens = min(stopping.min_tokens, max_tokens) if stopping.HasField("min_tokens") else 0
-    ignore_eos = stopping.ignore_eos if stopping.HasField("ignore_eos") else False
     bs = config.kv_block_size
     full = prompt_len // bs
     blocks = full + n * (-(-(prompt_len + max_tokens) // bs) - full)
     if blocks > config.total_kv_blocks:
         raise _invalid(f"request needs {blocks} KV blocks; the pool holds {config.total_kv_blocks}")
-    stop_sequences = tuple((text, ids) for text in stop_texts if (ids := tuple(lm.encode(text)))) if trt else ()
-    holdback = max((len(lm.encode(s)) for s in stop_texts), default=1) - 1
-    if context_only and config.no_cache_transceiver and trt:
-        deferred.append("context-only request without a KV cache transceiver (cache_transceiver_config)")
-    if config.fault_violation is not None and faults.violation is None:
-        faults = dataclasses.replace(faults, violation=cast("Violation", config.fault_violation))
-    split_finish_ms = faults.split_finish_ms if faults.split_finish_ms is not None else config.split_finish_ms
+    return _Budget(tuple(prompt_ids), max_tokens, min(min_tokens, max_tokens) if min_tokens is not None else 0)
 
+
+def validate_request(
+    request: generation_pb2.GenerateRequest,
+    metadata: MultiDict[str | bytes] | None,
+    *,
+    config: MockConfig,
+    lm: LanguageModel,
+    is_live: Callable[[str], bool],
+    loras: Collection[str],
+) -> RequestPlan:
+    """Check ``request`` and resolve its defaults; raises :class:`Rejection` on the first failed rule.
+
+    The steps run in TensorRT-LLM's order (module docstring); each helper checks one part of the request.
+    """
+    extra = _extra(request)
+    faults = _fault_spec(request, extra, config, lm)  # 0
+    _identity(request, config, is_live)  # 1–3
+    features = _features(request, config, loras)  # 4
+    prompt_ids = _input(request, config, lm, features.media)  # 5
+    # 6. TensorRT-LLM's request mapping passes some out-of-range values through, and its executor then fails the
+    # submitted request (the first such reason is kept; pre-acceptance checks below still win).
+    deferred: list[str] = []
+    sampling = _sampling(request.sampling, config, deferred)
+    stops = _stopping(request.stopping, config, deferred)
+    response = _response_options(request.response, config)
+    guide = _guide(request, config)
+    bad = next((t for t in faults.tokens or () if t >= lm.vocab_size), None)
+    if bad is not None:
+        raise _invalid(f"extra.mock.tokens: token id {bad} is out of range (vocab_size={lm.vocab_size})")
+    has_session = request.HasField("kv") and request.kv.HasField("session")
+    options = _extra_options(extra, config, has_session)
+    priority = _metadata_checks(metadata, config, sampling.n)  # 7
+    cache_salt = _cache_salt(request, config)  # 8
+    session = _disaggregation(request, config, lm, options.context_only, sampling.n)  # 9
+    budget = _engine_limits(  # 10
+        request, config, lm, prompt_ids, n=sampling.n, context_only=options.context_only, min_tokens=stops.min_tokens
+    )
+    token_stops = config.engine.stop_words == "tokens"
+    stop_sequences = (
+        tuple((text, ids) for text in stops.stop_texts if (ids := tuple(lm.encode(text)))) if token_stops else ()
+    )
+    # Token ids that may still turn out to be a stop word are held back (none with include_stop_in_output: nothing
+    # would be cut), by the longest stop word's tokenization - 1, as TensorRT-LLM's formatter does.
+    holdback = 0 if stops.include_stop else max((len(lm.encode(s)) for s in stops.stop_texts), default=1) - 1
+    without_transceiver = options.context_only and config.no_cache_transceiver
+    if without_transceiver and config.engine.context_only_without_transceiver == "engine_error":
+        deferred.append("context-only request without a KV cache transceiver (cache_transceiver_config)")
     return RequestPlan(
         request_id=request.request_id,
         model=request.model,
-        prompt_ids=tuple(prompt_ids),
-        n=n,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        seed=seed,
-        max_tokens=max_tokens,
-        min_tokens=min_tokens,
-        ignore_eos=ignore_eos,
-        include_stop=include_stop,
-        stop_texts=tuple(stop_texts),
-        stop_ids=frozenset(stop_ids),
+        prompt_ids=budget.prompt_ids,
+        n=sampling.n,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        seed=sampling.seed,
+        max_tokens=budget.max_tokens,
+        min_tokens=budget.min_tokens,
+        ignore_eos=stops.ignore_eos,
+        include_stop=stops.include_stop,
+        stop_texts=stops.stop_texts,
+        stop_ids=stops.stop_ids,
         token_holdback=max(holdback, 0),
-        output_logprobs=output_logprobs,
-        output_top_n=output_top_n,
-        prompt_logprobs=prompt_logprobs,
-        prompt_top_n=prompt_top_n,
-        context_only=context_only,
+        output_logprobs=response.output_logprobs,
+        output_top_n=response.output_top_n,
+        prompt_logprobs=response.prompt_logprobs,
+        prompt_top_n=response.prompt_top_n,
+        context_only=options.context_only,
         session=session,
-        detokenize=detokenize,
-        lora_name=lora_name,
-        cache_salt=cache_salt or None,
-        bypass_prefix_cache=bypass,
+        detokenize=options.detokenize,
+        lora_name=features.lora_name,
+        cache_salt=cache_salt,
+        bypass_prefix_cache=features.bypass_prefix_cache,
         priority=priority,
-        script=script,
-        script_ends_with_eos=script_ends_with_eos,
+        script=faults.tokens,
+        script_ends_with_eos=False,
         faults=faults,
-        media=media,
-        text_prompt=kind == "prompt",
-        guide=compiled_guide,
+        media=features.media,
+        text_prompt=request.WhichOneof("input") == "prompt",
+        guide=guide,
         stop_sequences=stop_sequences,
-        text_stops=not trt,
-        trim_stops=trt and not include_stop,
+        text_stops=not token_stops,
+        trim_stops=token_stops and not stops.include_stop,
         deferred_error=deferred[0] if deferred else None,
-        split_finish_ms=split_finish_ms,
+        split_finish_ms=faults.split_finish_ms if faults.split_finish_ms is not None else config.split_finish_ms,
     )
