@@ -320,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
         "whether the engine detokenizes its output (the frontend detokenizes from the token ids anyway): auto = ask "
         "TensorRT-LLM not to (extra.detokenize=false), others yes; on = always; off = ask every engine not to. "
         "Requests with top or prompt logprobs or stop strings keep it (token strings; the text it holds back shows a "
-        "stop string completing)",
+        "stop string completing). Only an engine that reads extra.detokenize saves the work: TensorRT-LLM's merged "
+        "OpenEngine server ignores it and detokenizes anyway (its newer revisions honour it)",
         default="auto",
         choices=("auto", "on", "off"),
     )
