@@ -154,8 +154,8 @@ FIELD_POLICY: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
         "sampling_options.length_penalty": (_REFUSED, "a beam-search parameter (1.0 is the default)"),
         "sampling_options.include_stop_str_in_output": (
             _MAPPED,
-            "stopping.include_stop_in_output when generation.supports_stop_in_output, else refused; a kept stop token id "
-            "is taken out of the output again (the frontend never shows it but would count it)",
+            "stopping.include_stop_in_output when generation.supports_stop_in_output, else refused; a kept stop "
+            "token id is taken out of the output again (the frontend never shows it but would count it)",
         ),
         "sampling_options.guided_decoding": (
             _MAPPED,

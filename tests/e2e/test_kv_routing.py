@@ -5,6 +5,12 @@ A long prompt is sent once (it lands on some worker: the *warm* one, whose engin
 more times. With KV events forwarded, the router sends the repeats to the warm worker (≥ 90 % required); round-robin
 spreads them (~50 %). Which worker served a request is read from each sidecar's own request counter
 (``openengine_sidecar_requests_received`` on its system port); the frontend's metrics must show the applied events.
+
+Then load routed by *another* frontend (issue 27 item 8): Dynamo 1.6.1's KV router counts in its cost only the
+requests it routed itself; a worker's published KV usage reaches it as well, but only its overload filter
+(``--active-decode-blocks-threshold``, against the model card's ``total_kv_blocks``) reads it. TensorRT-LLM reports no
+pool size and no KV usage: the sidecar publishes its estimate and registers ``--total-kv-blocks``, so the filter keeps
+new requests off the worker that another frontend loaded.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import trio
 
 from tests.helpers.processes import DynamoEnv, start_frontend
 from tests.helpers.stack import (
+    MODEL,
     Worker,
     cached_completion,
     dump_logs,
@@ -128,3 +135,85 @@ async def test_a_repeated_long_prompt_lands_on_the_worker_holding_its_prefix(dyn
     assert kv_cached >= 0.9 * REPEATS
     assert hit_tokens > 0
     assert 0.25 <= rr_rate <= 0.75, f"round-robin sent {rr_counts}"
+
+
+#: The KV pool each sidecar registers (``--total-kv-blocks``) and the frontend's overload threshold: a worker whose
+#: published usage exceeds THRESHOLD × TOTAL_KV_BLOCKS = 16 blocks takes no new request from it.
+TOTAL_KV_BLOCKS = 64
+THRESHOLD = 0.25
+LOADS = 6
+PROBES = 10
+
+
+def _used_blocks(page: str) -> float:
+    return metric_sum(page, "openengine_sidecar_engine_kv_blocks", kind="used")
+
+
+async def test_a_kv_router_keeps_new_requests_off_a_worker_another_frontend_loaded(dynamo_env: DynamoEnv) -> None:
+    """Two TensorRT-LLM-profile engines (``GetLoad`` without KV usage, no KV events); worker A loaded with long streams
+    through frontend F2, then worker B joins; frontend F1 (``--router-mode kv --active-decode-blocks-threshold 0.25``)
+    has routed none of that load. Failed before: the card had no ``total_kv_blocks``, so F1 could not judge the
+    published estimate (18-24 blocks, "processed active load update ... total_blocks=None") and sent 4-7 of 10 new
+    requests to A. Now all of them go to B."""
+    denv = dynamo_env
+    with trio.fail_after(240):
+        try:
+            async with AsyncExitStack() as stack, httpx.AsyncClient(timeout=60) as http:
+                engines = [
+                    await stack.enter_async_context(
+                        start_engine(denv, "--decode-ms-per-token", "50", name=f"load-engine{i}")
+                    )
+                    for i in range(2)
+                ]
+                f1 = await stack.enter_async_context(
+                    start_frontend(
+                        denv, extra_args=["--router-mode", "kv", "--active-decode-blocks-threshold", str(THRESHOLD)]
+                    )
+                )
+                f2 = await stack.enter_async_context(start_frontend(denv, extra_args=["--router-mode", "round-robin"]))
+                card = ("--total-kv-blocks", str(TOTAL_KV_BLOCKS))
+                a = await stack.enter_async_context(start_worker(denv, engines[0].address, *card, name="loaded"))
+                await wait_routable(f2.url, workers=1)
+                async with trio.open_nursery() as load:
+
+                    async def stream_through_f2() -> None:
+                        body = {"model": MODEL, "prompt": "The river", "max_tokens": 400, "ignore_eos": True}
+                        await http.post(f"{f2.url}/v1/completions", json=body)
+
+                    for _ in range(LOADS):
+                        load.start_soon(stream_through_f2)
+                    b = await stack.enter_async_context(start_worker(denv, engines[1].address, *card, name="idle"))
+                    await wait_routable(f1.url, workers=2)
+                    # A's estimate above the threshold, published twice since (the frontend has seen one of them).
+                    with trio.fail_after(30):
+                        while _used_blocks(page := (await http.get(f"{a.system_url}/metrics")).text) <= 16:
+                            await trio.sleep(0.1)
+                        published = metric_sum(page, "openengine_sidecar_load_snapshots_published_total")
+                        while (
+                            metric_sum(
+                                (await http.get(f"{a.system_url}/metrics")).text,
+                                "openengine_sidecar_load_snapshots_published_total",
+                            )
+                            < published + 2
+                        ):
+                            await trio.sleep(0.1)
+                    counts = await served_by_prompt(http, f1.url, [a, b], PROBES)
+                    estimate = _used_blocks((await http.get(f"{a.system_url}/metrics")).text)
+                    load.cancel_scope.cancel()
+        except BaseException:
+            dump_logs(denv)
+            raise
+    print(f"\nload through F2: A's published estimate {estimate:.0f} of {TOTAL_KV_BLOCKS} blocks; F1 sent {counts}")
+    assert estimate > THRESHOLD * TOTAL_KV_BLOCKS
+    assert counts == [0, PROBES], f"F1 sent {counts[0]} of {PROBES} new requests to the loaded worker"
+
+
+async def served_by_prompt(http: httpx.AsyncClient, url: str, workers: list[Worker], count: int) -> list[int]:
+    """Send ``count`` short requests one after the other; how many each worker received."""
+    before = [await requests_received(http, w) for w in workers]
+    for _ in range(count):
+        body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 2}
+        answer = await http.post(f"{url}/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+    after = [await requests_received(http, w) for w in workers]
+    return [b - a for a, b in zip(before, after, strict=True)]
