@@ -14,7 +14,8 @@ import httpx
 import pytest
 import trio
 
-from tests.helpers.stack import MODEL, cached_completion, metric_sum
+from tests.e2e.test_kv_routing import wait_published_over
+from tests.helpers.stack import LONG_PROMPT, MODEL, cached_completion, metric_sum
 
 from .report import record
 from .topology import Cluster, ClusterFrontend, ClusterWorker, wait_instances
@@ -31,12 +32,16 @@ async def _stored_events(http: httpx.AsyncClient, frontend: ClusterFrontend) -> 
 
 
 async def _served(
-    http: httpx.AsyncClient, frontend: ClusterFrontend, workers: list[ClusterWorker], count: int
+    http: httpx.AsyncClient,
+    frontend: ClusterFrontend,
+    workers: list[ClusterWorker],
+    count: int,
+    prompt: str = LONG_PROMPT,
 ) -> tuple[dict[str, int], int]:
     before = {w.name: w.received() for w in workers}
     cached = 0
     for _ in range(count):
-        cached += (await cached_completion(http, frontend.url)) > 0
+        cached += (await cached_completion(http, frontend.url, prompt)) > 0
     return {w.name: w.received() - before[w.name] for w in workers}, cached
 
 
@@ -96,34 +101,8 @@ async def test_over_nats_a_kv_router_keeps_new_requests_off_a_worker_another_fro
                 load.start_soon(stream_through_fe2)
             w2 = await cluster.start_worker("w2")
             await wait_instances([fe1], {w1.instance_id() or 0, w2.instance_id() or 0}, timeout=30)
-            with trio.fail_after(30):
-                while True:
-                    page = (await http.get(f"{w1.system_url}/metrics")).text
-                    if metric_sum(page, "openengine_sidecar_engine_kv_blocks", kind="used") > 16:
-                        break
-                    await trio.sleep(0.1)
-                published = metric_sum(page, "openengine_sidecar_load_snapshots_published_total")
-                while (
-                    metric_sum(
-                        (await http.get(f"{w1.system_url}/metrics")).text,
-                        "openengine_sidecar_load_snapshots_published_total",
-                    )
-                    < published + 2
-                ):
-                    await trio.sleep(0.1)
-            counts, _ = await _served_short(http, fe1, [w1, w2], 10)
+            await wait_published_over(http, w1.system_url, 16)
+            counts, _ = await _served(http, fe1, [w1, w2], 10, prompt="Hello there")
             load.cancel_scope.cancel()
     assert counts == {"w1": 0, "w2": 10}, counts
     record("Load across frontends over NATS: fe1's requests per worker", None, f"{counts}")
-
-
-async def _served_short(
-    http: httpx.AsyncClient, frontend: ClusterFrontend, workers: list[ClusterWorker], count: int
-) -> tuple[dict[str, int], int]:
-    before = {w.name: w.received() for w in workers}
-    for _ in range(count):
-        answer = await http.post(
-            f"{frontend.url}/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 2}
-        )
-        assert answer.status_code == 200, answer.text
-    return {w.name: w.received() - before[w.name] for w in workers}, count

@@ -25,7 +25,9 @@ import trio
 
 from tests.helpers.processes import DynamoEnv, start_frontend
 from tests.helpers.stack import (
+    LONG_PROMPT,
     MODEL,
+    Engine,
     Worker,
     cached_completion,
     dump_logs,
@@ -52,14 +54,21 @@ async def requests_received(http: httpx.AsyncClient, worker: Worker) -> int:
     return int(float(match.group(1))) if match else 0
 
 
-async def served_by(http: httpx.AsyncClient, url: str, workers: list[Worker], count: int) -> tuple[list[int], int]:
+async def served_by(
+    http: httpx.AsyncClient, url: str, workers: list[Worker], count: int, prompt: str = LONG_PROMPT
+) -> tuple[list[int], int]:
     """Send the prompt ``count`` times, one after the other; requests per worker and how many had cached tokens."""
     before = [await requests_received(http, w) for w in workers]
     cached = 0
     for _ in range(count):
-        cached += (await cached_completion(http, url)) > 0
+        cached += (await cached_completion(http, url, prompt)) > 0
     after = [await requests_received(http, w) for w in workers]
     return [b - a for a, b in zip(before, after, strict=True)], cached
+
+
+async def two_engines(stack: AsyncExitStack, denv: DynamoEnv, *args: str, name: str = "engine") -> list[Engine]:
+    """Two ``openengine-mock`` engines started with ``args``, kept until ``stack`` closes."""
+    return [await stack.enter_async_context(start_engine(denv, *args, name=f"{name}{i}")) for i in range(2)]
 
 
 async def test_a_repeated_long_prompt_lands_on_the_worker_holding_its_prefix(dynamo_env: DynamoEnv) -> None:
@@ -67,14 +76,7 @@ async def test_a_repeated_long_prompt_lands_on_the_worker_holding_its_prefix(dyn
     with trio.fail_after(300):
         try:
             async with AsyncExitStack() as engines, httpx.AsyncClient(timeout=30) as http:
-                addresses = [
-                    (
-                        await engines.enter_async_context(
-                            start_engine(denv, "--profile", "full", "--speedup", "0", name=f"engine{i}")
-                        )
-                    ).address
-                    for i in range(2)
-                ]
+                addresses = [e.address for e in await two_engines(engines, denv, "--profile", "full", "--speedup", "0")]
                 # -- KV-aware routing ------------------------------------------------------------------------------
                 async with AsyncExitStack() as phase:
                     frontend = await phase.enter_async_context(start_frontend(denv, extra_args=["--router-mode", "kv"]))
@@ -145,8 +147,26 @@ LOADS = 6
 PROBES = 10
 
 
-def _used_blocks(page: str) -> float:
+async def published_used_blocks(http: httpx.AsyncClient, system_url: str) -> float:
+    """The KV blocks a worker last published as in use (its estimate, for an engine without KV usage)."""
+    page = (await http.get(f"{system_url}/metrics")).text
     return metric_sum(page, "openengine_sidecar_engine_kv_blocks", kind="used")
+
+
+async def wait_published_over(http: httpx.AsyncClient, system_url: str, blocks: float, timeout: float = 30) -> None:
+    """Wait until a worker publishes more than ``blocks`` KV blocks in use, then for two more publications (the
+    frontends have then received one of them at least)."""
+
+    async def published() -> float:
+        page = (await http.get(f"{system_url}/metrics")).text
+        return metric_sum(page, "openengine_sidecar_load_snapshots_published_total")
+
+    with trio.fail_after(timeout):
+        while await published_used_blocks(http, system_url) <= blocks:
+            await trio.sleep(0.1)
+        after = await published() + 2
+        while await published() < after:
+            await trio.sleep(0.1)
 
 
 async def test_a_kv_router_keeps_new_requests_off_a_worker_another_frontend_loaded(dynamo_env: DynamoEnv) -> None:
@@ -159,12 +179,7 @@ async def test_a_kv_router_keeps_new_requests_off_a_worker_another_frontend_load
     with trio.fail_after(240):
         try:
             async with AsyncExitStack() as stack, httpx.AsyncClient(timeout=60) as http:
-                engines = [
-                    await stack.enter_async_context(
-                        start_engine(denv, "--decode-ms-per-token", "50", name=f"load-engine{i}")
-                    )
-                    for i in range(2)
-                ]
+                engines = await two_engines(stack, denv, "--decode-ms-per-token", "50", name="load-engine")
                 f1 = await stack.enter_async_context(
                     start_frontend(
                         denv, extra_args=["--router-mode", "kv", "--active-decode-blocks-threshold", str(THRESHOLD)]
@@ -184,21 +199,9 @@ async def test_a_kv_router_keeps_new_requests_off_a_worker_another_frontend_load
                         load.start_soon(stream_through_f2)
                     b = await stack.enter_async_context(start_worker(denv, engines[1].address, *card, name="idle"))
                     await wait_routable(f1.url, workers=2)
-                    # A's estimate above the threshold, published twice since (the frontend has seen one of them).
-                    with trio.fail_after(30):
-                        while _used_blocks(page := (await http.get(f"{a.system_url}/metrics")).text) <= 16:
-                            await trio.sleep(0.1)
-                        published = metric_sum(page, "openengine_sidecar_load_snapshots_published_total")
-                        while (
-                            metric_sum(
-                                (await http.get(f"{a.system_url}/metrics")).text,
-                                "openengine_sidecar_load_snapshots_published_total",
-                            )
-                            < published + 2
-                        ):
-                            await trio.sleep(0.1)
-                    counts = await served_by_prompt(http, f1.url, [a, b], PROBES)
-                    estimate = _used_blocks((await http.get(f"{a.system_url}/metrics")).text)
+                    await wait_published_over(http, a.system_url, THRESHOLD * TOTAL_KV_BLOCKS)
+                    counts, _ = await served_by(http, f1.url, [a, b], PROBES, prompt="Hello there")
+                    estimate = await published_used_blocks(http, a.system_url)
                     load.cancel_scope.cancel()
         except BaseException:
             dump_logs(denv)
@@ -206,14 +209,3 @@ async def test_a_kv_router_keeps_new_requests_off_a_worker_another_frontend_load
     print(f"\nload through F2: A's published estimate {estimate:.0f} of {TOTAL_KV_BLOCKS} blocks; F1 sent {counts}")
     assert estimate > THRESHOLD * TOTAL_KV_BLOCKS
     assert counts == [0, PROBES], f"F1 sent {counts[0]} of {PROBES} new requests to the loaded worker"
-
-
-async def served_by_prompt(http: httpx.AsyncClient, url: str, workers: list[Worker], count: int) -> list[int]:
-    """Send ``count`` short requests one after the other; how many each worker received."""
-    before = [await requests_received(http, w) for w in workers]
-    for _ in range(count):
-        body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 2}
-        answer = await http.post(f"{url}/v1/completions", json=body)
-        assert answer.status_code == 200, answer.text
-    after = [await requests_received(http, w) for w in workers]
-    return [b - a for a, b in zip(before, after, strict=True)]
