@@ -170,6 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         model,
+        "--total-kv-blocks",
+        "DYN_TOTAL_KV_BLOCKS",
+        "the engine's KV cache pool in blocks, for the model card; wins over the engine's capacity.total_kv_blocks (a "
+        "disagreement is logged). TensorRT-LLM reports none: without it Dynamo's --active-decode-blocks-threshold "
+        "cannot judge this worker's published KV usage (TensorRT-LLM logs its pool size at start-up)",
+        type=_positive(int),
+    )
+    add(
+        model,
         "--endpoint-types",
         "DYN_ENDPOINT_TYPES",
         "comma-separated OpenAI endpoints to register: chat, completions",
@@ -320,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
         "whether the engine detokenizes its output (the frontend detokenizes from the token ids anyway): auto = ask "
         "TensorRT-LLM not to (extra.detokenize=false), others yes; on = always; off = ask every engine not to. "
         "Requests with top or prompt logprobs or stop strings keep it (token strings; the text it holds back shows a "
-        "stop string completing)",
+        "stop string completing). Only an engine that reads extra.detokenize saves the work: TensorRT-LLM's merged "
+        "OpenEngine server ignores it and detokenizes anyway (its newer revisions honour it)",
         default="auto",
         choices=("auto", "on", "off"),
     )
@@ -548,6 +558,9 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         lora_load_timeout_s=_number(ns, "lora_load_timeout_secs", "--lora-load-timeout-secs", float),
         lora_fetch_timeout_s=_number(ns, "lora_fetch_timeout_secs", "--lora-fetch-timeout-secs", float),
         engine_detokenize=ns.engine_detokenize,
+        total_kv_blocks=None
+        if ns.total_kv_blocks is None
+        else int(_number(ns, "total_kv_blocks", "--total-kv-blocks", int)),
     )
 
 

@@ -72,6 +72,9 @@ class SidecarConfig:
     #: ``auto``: ask the engine not to detokenize (``extra.detokenize = false``) when it is known to accept that
     #: (TensorRT-LLM); ``on``: let it detokenize; ``off``: ask any engine not to.
     engine_detokenize: EngineDetokenize = "auto"
+    #: ``--total-kv-blocks``: the engine's KV pool in blocks for the model card, when the engine reports none
+    #: (TensorRT-LLM) or to correct it; Dynamo's overload filter compares the published KV usage with it.
+    total_kv_blocks: int | None = None
 
 
 class ConfigError(ValueError):

@@ -108,6 +108,18 @@ def resolve_context_length(configured: int | None, engine: int | None) -> int:
     return engine
 
 
+def resolve_total_kv_blocks(configured: int | None, engine: int | None) -> int | None:
+    """``--total-kv-blocks`` wins (with a warning on disagreement); neither: unknown (TensorRT-LLM reports none)."""
+    if configured is not None and engine is not None and engine != configured:
+        log.warning(
+            "--total-kv-blocks %d differs from the engine's total_kv_blocks %d; using %d",
+            configured,
+            engine,
+            configured,
+        )
+    return configured if configured is not None else engine
+
+
 def check_role_connector(role: Role, caps: Capabilities) -> list[str]:
     """Refuse a prefill/decode role the engine's KV connector cannot serve; return warnings for what it cannot tell."""
     if role == "aggregated":
@@ -252,7 +264,7 @@ def registration_for(discovery: Discovery, config: SidecarConfig) -> Registratio
         needs=needs,
         context_length=discovery.context_length,
         kv_block_size=caps.kv_block_size,
-        total_kv_blocks=caps.total_kv_blocks,
+        total_kv_blocks=resolve_total_kv_blocks(config.total_kv_blocks, caps.total_kv_blocks),
         max_num_seqs=caps.max_running_requests,
         max_num_batched_tokens=caps.max_batched_tokens,
         data_parallel_size=caps.data_parallel_size or 1,

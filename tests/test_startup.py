@@ -17,6 +17,7 @@ from sidecar.startup import (
     registration_for,
     resolve_context_length,
     resolve_role,
+    resolve_total_kv_blocks,
     select_model,
 )
 
@@ -101,6 +102,15 @@ def test_registration_carries_what_discovery_reported() -> None:
     assert (reg.context_length, reg.kv_block_size, reg.total_kv_blocks, reg.max_num_seqs) == (2048, 16, 4096, 64)
     assert reg.worker_type == "aggregated"
     assert reg.runtime_data["openengine_engine"] == "mock"
+
+
+def test_total_kv_blocks_flag_fills_in_for_an_engine_that_reports_none(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 27 item 8: TensorRT-LLM reports no pool size; Dynamo's overload filter needs it in the card."""
+    argv = ["--grpc-endpoint", "127.0.0.1:1", "--model-path", str(MODEL_DIR), "--total-kv-blocks", "512"]
+    assert registration_for(discovery(), parse_config(argv)).total_kv_blocks == 512  # the engine says 4096
+    assert "differs" in caplog.text
+    assert resolve_total_kv_blocks(None, None) is None
+    assert resolve_total_kv_blocks(64, None) == 64
 
 
 def test_every_dynamo_listener_defaults_to_loopback_unless_set() -> None:

@@ -154,7 +154,8 @@ FIELD_POLICY: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
         "sampling_options.length_penalty": (_REFUSED, "a beam-search parameter (1.0 is the default)"),
         "sampling_options.include_stop_str_in_output": (
             _MAPPED,
-            "stopping.include_stop_in_output when generation.supports_stop_in_output, else refused",
+            "stopping.include_stop_in_output when generation.supports_stop_in_output, else refused; a kept stop "
+            "token id is taken out of the output again (the frontend never shows it but would count it)",
         ),
         "sampling_options.guided_decoding": (
             _MAPPED,
@@ -299,6 +300,10 @@ class GenerateCall:
         terminal = {c.stop_token_id for c in stopping.conditions if c.WhichOneof("condition") == "stop_token_id"}
         detokenize = self.request.extra.fields.get(DETOKENIZE_KEY)
         engine_text = detokenize is None or detokenize.WhichOneof("kind") != "bool_value" or detokenize.bool_value
+        # A stop token kept in the output (include_stop_in_output) is one the frontend will not show: the mapper takes
+        # it out again, so the text and the usage agree (the engine's flag is shared with stop strings, which the
+        # frontend does show).
+        hidden_stop_ids = frozenset(terminal) if stopping.include_stop_in_output else frozenset()
         if not stopping.ignore_eos:
             terminal.update(eos_token_ids)
         return ResponseMapper(
@@ -313,6 +318,7 @@ class GenerateCall:
             min_tokens=stopping.min_tokens,
             max_tokens=self.max_tokens,
             stop_texts=bool(self.stop_texts) and engine_text,
+            hidden_stop_ids=hidden_stop_ids,
         )
 
 

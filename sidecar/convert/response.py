@@ -29,6 +29,10 @@ Decisions:
 * Prompt logprobs (when asked): the one ``prompt`` event (no usage on it) becomes ``engine_data.prompt_logprobs`` of
   the final chunk, in vLLM's shape (per prompt position ``{token_id: {logprob, rank, decoded_token}}``, None where the
   engine gives no logprob); an unasked or second ``prompt`` event is ``UNEXPECTED_EVENT``.
+* A stop token id the engine kept in the output (``include_stop_in_output``; ``hidden_stop_ids``) is taken out of
+  the output's last chunk when the output finishes on it, and out of ``completion_tokens``: Dynamo's frontend never
+  shows a ``stop_token_ids`` token's text, but counts every token id it is sent, so text and usage would disagree
+  (``docs/request-features.md``). A stop token already sent (its chunk was not held) stays counted.
 * Usage is required on the final terminal (``MISSING_USAGE`` otherwise; TensorRT-LLM always sends
   it). Zero counts from the engine are replaced by what the mapper saw (prompt length, tokens
   streamed); ``total_tokens`` is recomputed; cached/reasoning tokens are clamped to their totals.
@@ -102,6 +106,7 @@ class ResponseMapper:
         "_finished",
         "_handed_off",
         "_held",
+        "_hidden_stop_ids",
         "_leg",
         "_logprobs",
         "_max_tokens",
@@ -117,6 +122,7 @@ class ResponseMapper:
         "_text_hold",
         "_text_seen",
         "_text_withheld",
+        "_trimmed",
     )
 
     def __init__(
@@ -133,6 +139,7 @@ class ResponseMapper:
         min_tokens: int = 0,
         max_tokens: int | None = None,
         stop_texts: bool = False,
+        hidden_stop_ids: Iterable[int] = (),
     ) -> None:
         """``n`` outputs were asked for; ``logprobs`` as requested (None = not asked).
 
@@ -143,6 +150,9 @@ class ResponseMapper:
         ``terminal_ids`` (the request's EOS and stop token ids), ``min_tokens`` and ``max_tokens`` tell
         :meth:`awaits_terminal` which tokens the engine's terminal event follows; ``stop_texts``: the request has stop
         strings and the engine sends its text (see :meth:`awaits_terminal`).
+
+        ``hidden_stop_ids``: stop token ids the engine was asked to keep in its output (``include_stop_in_output``)
+        that the frontend never shows; an output finishing on one loses that last token (see the module docstring).
         """
         if n < 1:
             raise ValueError(f"n must be ≥ 1, got {n}")
@@ -166,6 +176,8 @@ class ResponseMapper:
         self._closed = False
         self._failure: EngineFailure | None = None  # an error event met after tokens of the same batch
         self._terminal_ids = frozenset(terminal_ids)
+        self._hidden_stop_ids = frozenset(hidden_stop_ids)
+        self._trimmed = 0  # stop tokens taken out of the output (and out of the engine's completion count)
         self._min_tokens = min_tokens
         self._max_tokens = max_tokens
         self._text_hold = stop_texts
@@ -350,12 +362,26 @@ class ResponseMapper:
             which = match.WhichOneof("match")
             if which is not None:
                 chunk["stop_reason"] = getattr(match, which)
+                if which == "stop_token_id" and match.stop_token_id in self._hidden_stop_ids:
+                    self._trim_stop_token(chunk, index, match.stop_token_id)
         if not self._open:
             self._closed = True
             chunk["completion_usage"] = self._usage(response.usage)
             if self._prompt_logprobs is not None:
                 chunk["engine_data"] = {"prompt_logprobs": self._prompt_positions or []}
         return chunk
+
+    def _trim_stop_token(self, chunk: Chunk, index: int, stop_token_id: int) -> None:
+        """Take the stop token the output ends with out of ``chunk`` (and its logprob entries) and out of the count."""
+        ids: list[int] = chunk["token_ids"]
+        if not ids or ids[-1] != stop_token_id:
+            return  # already sent in an earlier chunk: the client has it, its count stands
+        ids.pop()
+        if "log_probs" in chunk:
+            chunk["log_probs"].pop()
+            chunk["top_logprobs"].pop()
+        self._completion[index] -= 1
+        self._trimmed += 1
 
     def _map_prompt(self, infos: Sequence[generation_pb2.TokenInfo]) -> list[dict[str, Any] | None]:
         """vLLM's ``prompt_logprobs`` shape: per prompt position ``{token_id: {logprob, rank, decoded_token}}``.
@@ -432,7 +458,7 @@ class ResponseMapper:
 
     def _usage(self, usage: generation_pb2.Usage) -> dict[str, Any]:
         prompt: int = usage.prompt_tokens or self._prompt_tokens
-        completion: int = usage.completion_tokens or sum(self._completion)
+        completion: int = max(usage.completion_tokens - self._trimmed, 0) or sum(self._completion)
         result: dict[str, Any] = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,

@@ -85,3 +85,14 @@ def test_the_output_is_the_same_whether_the_engine_detokenizes_or_not() -> None:
         chunks = mapper.map([event, finished(0, generation_pb2.FINISH_REASON_LENGTH, with_usage=usage(3, 2))])
         outputs.append(chunks)
     assert outputs[0] == outputs[1]
+
+
+def test_the_flag_does_not_claim_a_saving_for_tensorrt_llms_merged_server() -> None:
+    """Issue 27 item 6: TensorRT-LLM's merged OpenEngine server never reads ``extra.detokenize``. The switch is kept
+    (newer revisions and other engines honour it), but the flag's help -- and the operator guide generated from it --
+    must say that TensorRT-LLM's merged server detokenizes anyway."""
+    from sidecar.cli import build_parser
+
+    [action] = [a for a in build_parser()._actions if "--engine-detokenize" in a.option_strings]
+    assert action.help is not None
+    assert "merged OpenEngine server ignores it" in action.help

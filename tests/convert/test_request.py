@@ -19,7 +19,21 @@ from sidecar.convert.capabilities import LogprobSupport
 from sidecar.convert.request import FIELD_POLICY, MAX_METADATA_BYTES, MAX_STOP_CONDITIONS
 from sidecar.errors import DynamoErrorKind, RequestRejected
 
-from .factories import BASE_REQUEST, CAPS, CONTEXT, MODEL, REQUEST_ID, build, caps, merge, model_info, server_info
+from .factories import (
+    BASE_REQUEST,
+    CAPS,
+    CONTEXT,
+    MODEL,
+    REQUEST_ID,
+    build,
+    caps,
+    finished,
+    merge,
+    model_info,
+    server_info,
+    token,
+    usage,
+)
 
 ABSENT = object()
 
@@ -210,6 +224,19 @@ def test_generate_call_fields() -> None:
     assert not mapper.done
     plain = build(BASE_REQUEST)
     assert (plain.n, plain.logprobs, plain.top_n) == (1, None, None)
+
+
+def test_a_call_keeping_stop_tokens_in_the_output_has_its_mapper_take_them_out() -> None:
+    """``include_stop_str_in_output`` with stop token ids: the engine keeps the stop token, the mapper drops it again
+    (the frontend would count it and never show it); without the flag the engine's own output stands."""
+    stops = {"stop_conditions": {"stop_token_ids": [7]}}
+    kept = build(merge(BASE_REQUEST, {**stops, "sampling_options": {"include_stop_str_in_output": True}}))
+    assert kept.request.stopping.include_stop_in_output
+    ending = [token(0, 5, 7), finished(0, stop_match=generation_pb2.StopMatch(stop_token_id=7), with_usage=usage(3, 2))]
+    [chunk] = kept.response_mapper(eos_token_ids=[2]).map(ending)
+    assert (chunk["token_ids"], chunk["completion_usage"]["completion_tokens"]) == ([5], 1)
+    [chunk] = build(merge(BASE_REQUEST, stops)).response_mapper(eos_token_ids=[2]).map(ending)
+    assert (chunk["token_ids"], chunk["completion_usage"]["completion_tokens"]) == ([5, 7], 2)
 
 
 def test_health_canary() -> None:

@@ -530,6 +530,59 @@ def test_a_held_chunk_followed_by_more_tokens_merges_with_them() -> None:
     assert not m.awaits_terminal(chunks)
 
 
+# ------------------------------------------------------------------------- a stop token kept in the output
+
+
+def test_a_kept_stop_token_is_taken_out_of_the_output_and_the_count() -> None:
+    """Issue 27 item 4(a): with ``include_stop_in_output`` TensorRT-LLM streams and counts the stop token id, and
+    Dynamo's frontend never shows a ``stop_token_ids`` token (it counts every id it is sent): the client saw 2 words
+    and was billed 3. The token leaves the output's last chunk, its logprob entries and the completion count."""
+    m = ResponseMapper(REQUEST_ID, n=1, logprobs=1, prompt_tokens=3, terminal_ids={7}, hidden_stop_ids={7})
+    held = m.map([token(0, 5, 7, logprob=-0.5)])
+    assert m.awaits_terminal(held), "the stop token waits for its finish"
+    chunks = m.map([finished(0, STOP, stop_match=StopMatch(stop_token_id=7), with_usage=usage(3, 2))], carry=held)
+    assert chunks == [
+        {
+            "token_ids": [5],
+            "index": 0,
+            "log_probs": [-0.5],
+            "top_logprobs": [[]],
+            "finish_reason": "stop",
+            "stop_reason": 7,
+            "completion_usage": final_usage(3, 1),
+        }
+    ]
+    assert m.completion_tokens == 1
+
+
+@pytest.mark.parametrize(
+    ("hidden", "stop_match", "expected_ids", "completion"),
+    [
+        (set(), StopMatch(stop_token_id=7), [5, 7], 2),  # not kept on request: the engine's output as it is
+        ({7}, StopMatch(stop_text="x"), [5, 7], 2),  # a stop string ended it: the frontend shows stop strings
+        ({7}, StopMatch(eos_token_id=7), [5, 7], 2),  # EOS is not a stop token id
+        ({8}, StopMatch(stop_token_id=8), [5, 7], 2),  # the output does not end with the matched id
+    ],
+)
+def test_only_the_kept_stop_token_that_ended_the_output_is_taken_out(
+    hidden: set[int], stop_match: Any, expected_ids: list[int], completion: int
+) -> None:
+    m = ResponseMapper(REQUEST_ID, n=1, logprobs=None, prompt_tokens=3, hidden_stop_ids=hidden)
+    chunks = m.map([token(0, 5, 7), finished(0, STOP, stop_match=stop_match, with_usage=usage(3, 2))])
+    assert chunks[0]["token_ids"] == expected_ids
+    assert chunks[0]["completion_usage"]["completion_tokens"] == completion
+
+
+def test_a_stop_token_already_sent_stays_counted() -> None:
+    """The hold is bounded: a stop token whose chunk went out before its finish reached the client; usage counts it."""
+    m = ResponseMapper(REQUEST_ID, n=1, logprobs=None, prompt_tokens=3, terminal_ids={7}, hidden_stop_ids={7})
+    assert m.map([token(0, 5, 7)]) == [{"token_ids": [5, 7], "index": 0}]
+    chunks = m.map([finished(0, STOP, stop_match=StopMatch(stop_token_id=7), with_usage=usage(3, 2))])
+    assert chunks == [
+        {"token_ids": [], "index": 0, "finish_reason": "stop", "stop_reason": 7, "completion_usage": final_usage(3, 2)}
+    ]
+
+
 def _prompt_event() -> Any:
     return R(request_id=REQUEST_ID, prompt=generation_pb2.PromptOutput(tokens=[generation_pb2.TokenInfo(token_id=1)]))
 
