@@ -31,7 +31,8 @@ from .topology import (
     wait_serving,
 )
 
-pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+# pytest.mark.timeout: the cluster (hosts, etcd, NATS, two frontends, three workers) starts inside each test's bound
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 #: Bound on any one test (cluster start-up included): a hang fails, never blocks CI.
 TEST_BOUND = 150.0

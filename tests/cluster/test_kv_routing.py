@@ -15,7 +15,8 @@ from tests.helpers.stack import cached_completion, metric_sum
 from .report import record
 from .topology import Cluster, ClusterFrontend, ClusterWorker, wait_instances
 
-pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+# pytest.mark.timeout: the cluster (hosts, etcd, NATS, two frontends, three workers) starts inside each test's bound
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 REPEATS = 10
 KV_EVENTS_APPLIED = "dynamo_component_kv_cache_events_applied"

@@ -15,6 +15,7 @@ def _column_ids() -> list[str]:
     return [c.name for c in columns()]
 
 
+@pytest.mark.timeout(420)  # the kit's own bound (KIT_TIMEOUT_S) plus the engine around it
 @pytest.mark.parametrize("column", columns(), ids=_column_ids())
 def test_each_mock_configuration_passes_and_matches_the_docs_table(column: Column, tmp_path: Path) -> None:
     report = run_column(column, tmp_path)

@@ -12,7 +12,8 @@ import pytest
 
 SETUP = Path(__file__).resolve().parents[2] / "launch" / "setup.sh"
 
-pytestmark = pytest.mark.slow
+# pytest.mark.timeout: a fresh install (900 s bound) and a second run of setup
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1080)]
 
 
 def install(venv: Path) -> subprocess.CompletedProcess[str]:

@@ -55,6 +55,7 @@ async def served_by(http: httpx.AsyncClient, url: str, workers: list[Worker], co
     return [b - a for a, b in zip(before, after, strict=True)], cached
 
 
+@pytest.mark.timeout(420)  # its own bound plus two minutes for the processes around it
 async def test_a_repeated_long_prompt_lands_on_the_worker_holding_its_prefix(dynamo_env: DynamoEnv) -> None:
     denv = dynamo_env
     with trio.fail_after(300):

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.e2e
 # ------------------------------------------------------------------- item 1: a complete answer is a finish
 
 
+@pytest.mark.timeout(720)  # its own bound plus two minutes for the processes around it
 async def test_two_hundred_natural_stops_with_a_split_finish_are_finishes_without_aborts(
     dynamo_env: DynamoEnv, frontend: Frontend
 ) -> None:
@@ -49,6 +50,7 @@ def detokenized(stats: dict[str, Any]) -> int:
     return sum(int(v) for k, v in stats.items() if "detoken" in k and isinstance(v, int | float))
 
 
+@pytest.mark.timeout(420)  # its own bound plus two minutes for the processes around it
 async def test_tensorrt_llm_is_asked_not_to_detokenize_and_the_output_is_the_same(
     dynamo_env: DynamoEnv, frontend: Frontend
 ) -> None:
@@ -93,6 +95,7 @@ async def wait_routable_gone(url: str, timeout: float = 30.0) -> None:
 # ------------------------------------------------------------------- item 7: load without KV usage in GetLoad
 
 
+@pytest.mark.timeout(420)  # its own bound plus two minutes for the processes around it
 async def test_an_engine_without_kv_usage_still_gets_load_published(dynamo_env: DynamoEnv, frontend: Frontend) -> None:
     """Failed before: nothing was published (`no_kv_usage` rejected every poll, a warning every minute)."""
     bodies = [{"prompt": f"{PROMPTS[i % 6]} {i}", "max_tokens": 200, "ignore_eos": True} for i in range(6)]

@@ -45,6 +45,7 @@ async def aborts_sent(url: str) -> float:
 # -------------------------------------------------------------------- item 1: a complete answer is a finish
 
 
+@pytest.mark.timeout(720)  # its own bound plus two minutes for the processes around it
 async def test_two_hundred_natural_stops_are_finishes_without_aborts(dynamo_env: DynamoEnv, frontend: Frontend) -> None:
     """120 greedy answers end at EOS, 80 at the stop string " the" (10 ms per token, 16 at a time). Failed before:
     44 of the 200 were counted cancelled, each with an Abort -- the engine's last token reached the frontend in a
@@ -183,6 +184,7 @@ async def guided(url: str) -> httpx.Response:
 NO_GUIDED = ("--capability", "guided=false")
 
 
+@pytest.mark.timeout(360)  # its own bound plus two minutes for the processes around it
 async def test_an_engine_restarted_within_a_second_with_guided_added_then_removed_is_rediscovered(
     dynamo_env: DynamoEnv, frontend: Frontend
 ) -> None:
