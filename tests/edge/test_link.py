@@ -13,8 +13,9 @@ import trio
 
 from sidecar.edge import Edge
 from sidecar.edge._link import Link
+from tests.helpers.waits import wait_until
 
-from ._helpers import TIMEOUT, wait_until
+from ._helpers import TIMEOUT
 
 if TYPE_CHECKING:
     from collections.abc import Callable

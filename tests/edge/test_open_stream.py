@@ -16,8 +16,9 @@ import pytest
 import trio
 
 from sidecar.edge._link import Link
+from tests.helpers.waits import wait_until
 
-from ._helpers import TIMEOUT, Boom, wait_until
+from ._helpers import TIMEOUT, Boom
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable

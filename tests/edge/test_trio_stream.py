@@ -15,8 +15,9 @@ import pytest
 import trio
 
 from sidecar.edge import BridgeCancelled, EdgeClosed
+from tests.helpers.waits import wait_until
 
-from ._helpers import TIMEOUT, Boom, wait_until
+from ._helpers import TIMEOUT, Boom
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator

@@ -24,6 +24,7 @@ from grpclib.exceptions import StreamTerminatedError
 from openengine.v1 import generation_pb2
 from sidecar.engine import EngineClient, EngineClientConfig, open_engine_client, parse_endpoint
 from sidecar.errors import DynamoErrorKind, EngineRpcError, GrpcCode
+from tests.helpers.waits import wait_until
 
 from .conftest import connected_client
 from .grpcio_engine import GrpcioEngine, grpcio_engine
@@ -67,12 +68,6 @@ async def stream(client: EngineClient, rid: str, max_tokens: int, outcome: Outco
 def episode(client: EngineClient) -> tuple[str | None, int]:
     """Why the engine is going away, and how many connections still drain."""
     return client.going_away, client.draining_connections
-
-
-async def wait_until(predicate: object, timeout_s: float = 20.0) -> None:
-    with trio.fail_after(timeout_s):
-        while not predicate():  # type: ignore[operator]
-            await trio.sleep(0.005)
 
 
 async def run_streams_and_stop(
@@ -161,7 +156,7 @@ async def test_a_call_parked_at_the_stream_limit_is_retried_on_a_fresh_connectio
                     nursery.start_soon(stream, client, "parked", 3, parked)
                     await trio.sleep(0.2)
                     assert parked.tokens == 0, "the second stream should wait for a slot"
-                    await wait_until(lambda: parked.tokens == 3, timeout_s=30)
+                    await wait_until(lambda: parked.tokens == 3, timeout=30)
                     # ... long before the first stream ends: it did not wait for the slot on the old connection.
                     assert first.finish_reason is None
                 assert (first.tokens, first.error, parked.error) == (60, None, None)
