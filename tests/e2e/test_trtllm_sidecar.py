@@ -1,5 +1,5 @@
 """End to end, through the real frontend: the sidecar's answers where its behaviour changes with TensorRT-LLM's server
-(``--profile trtllm``, ``../shared/reference/tensorrt-llm-openengine.md``; issue 22).
+(``--profile trtllm``, TensorRT-LLM's server on the wire; issue 22).
 
 * **Stop words** are matched by TensorRT-LLM as token sequences and trimmed: never streamed, not counted. The client
   gets exactly the text and ``completion_tokens`` TensorRT-LLM produced, the request ends as a finish (no cancel, no

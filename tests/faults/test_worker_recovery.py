@@ -598,7 +598,7 @@ async def test_a_stalled_prefill_engine_is_probed_the_way_its_role_allows_and_th
     """Found by ``bench.chaos`` (a prefill engine paused past the inactivity timeout): the stall canary was a plain
     generation, which an engine serving the prefill role refuses (FAILED_PRECONDITION), so the worker stayed
     withdrawn for good. The canary of a prefill or decode engine is Health's inference probe, role-appropriate by the
-    schema (``openengine-wire-v0.1.0.md`` §7.10); failed before: still degraded after 60 s."""
+    schema (OpenEngine v0.1.0's ``Health`` rules); failed before: still degraded after 60 s."""
     engine, dynamo = PrefillEngine(), Dynamo()
     worker = await serving_worker(engine, dynamo, "--request-inactivity-timeout-secs", "5")
     assert worker.requests.serving is not None

@@ -106,7 +106,8 @@ def dump_log_tails(root: Path, lines: int) -> None:
 
 
 def base_env(root: Path) -> dict[str, str]:
-    """Loopback-only Dynamo variables rooted in ``root`` (see ``dynamo-runtime.md`` §2)."""
+    """Loopback-only Dynamo variables rooted in ``root``: Dynamo 1.6.1 without etcd and NATS (discovery in files,
+    requests over TCP, events over ZMQ)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DYN_", "HF_"))}
     home = root / "home"
     home.mkdir(parents=True, exist_ok=True)

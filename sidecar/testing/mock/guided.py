@@ -3,8 +3,7 @@
 TensorRT-LLM (xgrammar) masks the logits so that every output satisfies the guide. The mock has no logits worth
 masking; it *constructs* a text in the guide's language instead, and the engine streams its tokenization followed by
 EOS. What it cannot construct faithfully it refuses up front (:class:`UnsupportedGuide` → ``UNIMPLEMENTED`` before
-acceptance), as TensorRT-LLM refuses a guide its backend cannot build
-(``../shared/reference/tensorrt-llm-openengine.md`` §6, §11).
+acceptance), as TensorRT-LLM refuses a guide its backend cannot build.
 
 Supported, per kind (``spec`` is the ``GuidedDecoding`` member's text; for ``choice`` a JSON array of strings):
 

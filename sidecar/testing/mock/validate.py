@@ -1,6 +1,6 @@
 """``GenerateRequest`` + metadata → :class:`RequestPlan`, or a :class:`Rejection` (a status before acceptance).
 
-The checks run in TensorRT-LLM's order (``tensorrt-llm-openengine.md`` §6): id, model, duplicate id, unsupported
+The checks run in TensorRT-LLM's order: id, model, duplicate id, unsupported
 features, input, sampling/stopping/response/guided/``extra``, metadata, cache salt, disaggregation, then the
 "engine" checks (prompt length, window, KV capacity). The first failing check wins. Validation is synchronous, so the
 duplicate-id check and the registration that follows it are atomic on the event loop.
