@@ -58,6 +58,7 @@ class GrpcioEngine:
             yield token
             with self._lock:
                 self.tokens_sent[rid] += 1
+            # Not a synchronisation: the engine's time per token.
             time.sleep(self.token_s)
         done = generation_pb2.GenerateResponse(request_id=rid)
         done.finished.output_index = 0
