@@ -5,6 +5,10 @@
 * a restarted engine is noticed even when the restart is quick (a new instance id from GetLoad, or a lost
   connection and an engine that answers as someone else): rediscovery, card registered again before routing resumes;
 * after a long outage the worker serves within 2 s of the engine answering again.
+
+Every sleep here runs in virtual time (``autojump_clock``): it moves the clock to where the test wants it (an outage
+of 40 s, a few watchdog periods) or paces the in-memory engine, deterministically; none waits for another thread or
+process. Conditions are awaited with :func:`tests.helpers.waits.wait_until` (virtual time too).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from sidecar.kv._load import poll_load
 from sidecar.requests import HungEngine
 from sidecar.worker import Worker
 from statemachines import WORKER, WorkerLifecycle
+from tests.helpers.waits import wait_until
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "sidecar" / "testing" / "mock" / "model"
 Clock = trio.testing.MockClock
@@ -282,9 +287,7 @@ def state(worker: Worker) -> str:
 
 
 async def wait_state(worker: Worker, target: str, within: float) -> None:
-    with trio.fail_after(within):
-        while state(worker) != target:
-            await trio.sleep(0.05)
+    await wait_until(lambda: state(worker) == target, timeout=within, interval=0.05, what=f"the worker {target}")
 
 
 def body(**sampling: Any) -> dict[str, Any]:
