@@ -27,6 +27,7 @@ from tests.helpers.stack import (
     start_sidecar,
     wait_routable,
 )
+from tests.helpers.waits import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -83,15 +84,14 @@ async def test_a_repeated_long_prompt_lands_on_the_worker_holding_its_prefix(dyn
                     await wait_routable(frontend.url, workers=2)
                     counts, _ = await served_by(http, frontend.url, workers, 1)
                     warm = counts.index(1)
-                    with trio.fail_after(15):
-                        while True:
-                            page = (await http.get(f"{frontend.url}/metrics")).text
-                            stored = metric_sum(
-                                page, "dynamo_component_kv_cache_events_applied", event_type="stored", status="ok"
-                            )
-                            if stored >= 1:
-                                break
-                            await trio.sleep(0.1)
+
+                    async def stored_applied() -> float:
+                        page = (await http.get(f"{frontend.url}/metrics")).text
+                        return metric_sum(
+                            page, "dynamo_component_kv_cache_events_applied", event_type="stored", status="ok"
+                        )
+
+                    stored = await wait_until(stored_applied, timeout=15, interval=0.1)
                     kv_counts, kv_cached = await served_by(http, frontend.url, workers, REPEATS)
                     page = (await http.get(f"{frontend.url}/metrics")).text
                     assert (
