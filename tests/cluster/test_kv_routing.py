@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from tests.helpers.stack import cached_completion, metric_sum
+from tests.helpers.waits import wait_until
 
 from .report import record
 from .topology import Cluster, ClusterFrontend, ClusterWorker, wait_instances
@@ -54,8 +55,7 @@ async def test_both_frontends_route_a_repeated_prefix_to_the_worker_holding_it(c
             # The stored event reaches both frontends' routers over the event plane.
             with trio.fail_after(20):
                 for frontend in frontends:
-                    while await _stored_events(http, frontend) < 1:
-                        await trio.sleep(0.05)
+                    await wait_until(lambda: _stored(http, frontend), interval=0.05)  # noqa: B023
             propagated = time.monotonic() - stored
             results = {f.name: await _served(http, f, workers, REPEATS) for f in frontends}
     for name, (counts, cached) in results.items():
@@ -64,3 +64,7 @@ async def test_both_frontends_route_a_repeated_prefix_to_the_worker_holding_it(c
         assert cached >= 0.9 * REPEATS, f"{name}: only {cached} answers reported cached tokens"
     shares = ", ".join(f"{name} {counts[warm]}/{REPEATS}" for name, (counts, _) in results.items())
     record("KV routing across frontends: stored event seen by both frontends", propagated, f"warm worker: {shares}")
+
+
+async def _stored(http: httpx.AsyncClient, frontend: ClusterFrontend) -> bool:
+    return await _stored_events(http, frontend) >= 1
