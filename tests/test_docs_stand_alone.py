@@ -1,6 +1,6 @@
 """The repository stands on its own: no tracked file cites the project's private reference notes.
 
-Those notes (a ``shared/reference/`` directory beside the repository, with one file per subject) were where the facts
+Those notes (a directory of reference notes beside the repository, one file per subject) were where the facts
 this code relies on were first written down; a user of the repository has none of them. Docs, code comments and tests
 state the facts themselves, or cite what a user can read (the ``.proto`` files, upstream pull requests, our own docs).
 """
@@ -54,10 +54,10 @@ def test_no_tracked_file_cites_the_reference_notes() -> None:
 @pytest.mark.parametrize(
     "line",
     [
-        "see `../" + "shared/reference/x.md`",
+        "see `../" + "shared/" + "reference/x.md`",
         "(``dynamo-runtime" + ".md`` §3.7)",
         "as tensorrt-llm-openengine" + ".md describes",
-        "/work/" + "shared/reference/openengine-wire-v0.1.0" + ".md",
+        "/work/" + "shared/" + "reference/openengine-wire-v0.1.0" + ".md",
     ],
 )
 def test_a_citation_is_found(line: str) -> None:
