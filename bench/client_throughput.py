@@ -12,8 +12,9 @@ room for all of them), lets them warm up, then counts the messages consumed duri
 the order A B A B and the medians are reported.
 
 With two or more CPUs the mock is pinned to the last CPU and the clients to CPU 0 (``--no-pin`` to disable), as in
-``grpc-stack.md`` §5, so the client gets exactly one core. The mock is a Python server too: its CPU share during the
-window is reported, and a ratio near 1.0 with the server at ~100 % means the server, not the client, was the limit.
+the measurements that chose this client stack, so the client gets exactly one core. The mock is a Python server too:
+its CPU share during the window is reported, and a ratio near 1.0 with the server at ~100 % means the server, not the
+client, was the limit.
 
 Clients:
 

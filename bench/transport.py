@@ -5,7 +5,7 @@
 
 One grpcio (grpc-core) server process listens on ``127.0.0.1:0`` and on ``unix:<tmp>/engine.sock`` at once and
 streams pre-encoded 63-byte ``GenerateResponse`` messages flat out (``stopping.max_tokens`` of them per request): the
-cheapest server there is, so the client is the bottleneck (``grpc-stack.md`` §5). Each measurement is a fresh child
+cheapest server there is, so the client is the bottleneck. Each measurement is a fresh child
 of ``bench.client_throughput`` (``ours``: ``open_edge`` + ``open_engine_client`` + ``generate``, the default pool of 8
 connections) pointed at one of the two addresses; CPU is the child's ``getrusage`` over the window, per message
 received. Transports alternate TCP, UDS, TCP, UDS... and medians are reported. With two or more CPUs the server is

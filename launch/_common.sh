@@ -1,5 +1,13 @@
 # Shared by every launcher (sourced by _local.sh and cluster.sh): the --help text, one-line refusals of bad flags,
 # the run's directories and the last words of a tiered stop.
+
+# Ctrl-C (SIGINT) must stop a launcher in order. A shell cannot trap a signal that was ignored when it started, and it
+# keeps a signal mask it inherits: started from the background of a non-interactive shell (`launch/agg.sh &` in a
+# script) or by a process that ignores or blocks SIGINT, the `trap ... INT` below would be silently void and Ctrl-C
+# would do nothing. Start once more with SIGINT's default handling (GNU env resets and unblocks it), on Linux.
+if [ -z "${OPENENGINE_SIGINT_RESET:-}" ] && grep -Eqs '^Sig(Ign|Blk):.*[2367abef]$' "/proc/$$/status"; then
+  OPENENGINE_SIGINT_RESET=1 exec env --default-signal=INT bash "$0" "$@"
+fi
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 [ -x "$root/.venv/bin/python" ] && . "$root/.venv/bin/activate"

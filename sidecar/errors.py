@@ -10,7 +10,7 @@ Three families, kept apart on purpose (h11's local/remote split):
 * :class:`RequestRejected` — the client's request cannot be served by this engine (local, before any RPC).
 
 Each carries a :class:`DynamoErrorKind`, which ``sidecar.dynamo`` turns into the matching
-``dynamo.llm.exceptions`` class. The kinds decide what the frontend does (``dynamo-runtime.md`` §13):
+``dynamo.llm.exceptions`` class. The kinds decide what the frontend does (Dynamo 1.6.1, checked by experiment):
 ``DISCONNECTED``/``ENGINE_SHUTDOWN``/``CANNOT_CONNECT``/``CONNECTION_TIMEOUT`` are migrated to another worker
 when the frontend runs with ``--migration-limit`` > 0; ``INVALID_ARGUMENT`` is a 400; ``CANCELLED`` a 499;
 ``UNKNOWN`` a 500.
@@ -135,7 +135,7 @@ ENGINE_ERROR_KIND: Final[dict[EngineErrorCode, DynamoErrorKind]] = {
 ROLE_MISMATCH_HINT: Final = "check --disaggregation-mode against the engine's role"
 
 # Hints appended to an EngineError's message: what an operator should look at (the codes TensorRT-LLM's Rust sidecar
-# annotates too, dynamo-sidecar.md §12.2).
+# annotates too: ai-dynamo/dynamo PR #14349).
 ENGINE_ERROR_HINTS: Final[dict[EngineErrorCode, str]] = {
     EngineErrorCode.ROLE_MISMATCH: ROLE_MISMATCH_HINT,
     EngineErrorCode.KV_SESSION_NOT_FOUND: (

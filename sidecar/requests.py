@@ -703,7 +703,7 @@ async def probe_generation(serving: ServingContext, request_id: str, timeout_s: 
 
     An engine that reports the prefill or decode role refuses a plain generation (a prefill leg would leave a KV
     session pinned; a decode leg needs one): there the canary is Health's inference probe, which the schema makes
-    role-appropriate (``openengine-wire-v0.1.0.md`` §7.10)."""
+    role-appropriate (OpenEngine v0.1.0's ``Health`` rules)."""
     if role_of_engine(serving.caps.engine_role) != "aggregated":
         with trio.move_on_after(timeout_s):
             try:

@@ -230,7 +230,7 @@ async def wait_ready(client: EngineClient, *, deadline: float, retry_interval_s:
         await trio.sleep(retry_interval_s)
 
 
-#: Engines known to accept ``extra.detokenize`` as a bool (``tensorrt-llm-openengine.md`` §6): ``--engine-detokenize
+#: Engines known to accept ``extra.detokenize`` as a bool (TensorRT-LLM's OpenEngine server): ``--engine-detokenize
 #: auto`` asks these not to detokenize.
 DETOKENIZE_SWITCH_ENGINES: Final = frozenset({"tensorrt_llm"})
 

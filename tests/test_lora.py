@@ -24,6 +24,7 @@ import trio
 from sidecar.errors import EngineRpcError, GrpcCode, LoraRefused
 from sidecar.lora import LoraManager, LoraSettings, resolve_local_adapter
 from statemachines import LORA
+from tests.helpers.waits import wait_until
 
 
 @dataclass
@@ -57,7 +58,7 @@ class FakeEngine:
     async def _enter(self, rpc: str, timeout_s: float | None) -> None:
         self.calls.append(rpc)
         if rpc in self.slow:
-            await trio.sleep(0.2)
+            await trio.sleep(0.2)  # not a synchronisation: a slow engine, in virtual time in every test using it
         if rpc in self.hang:
             with trio.move_on_after(timeout_s or 1.0):
                 await trio.sleep_forever()
@@ -208,8 +209,7 @@ async def test_the_caller_going_away_does_not_leave_a_half_load(root: Path, auto
     loras = manager(engine, cards, root)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(loras.load, load_body(root))
-        while "LoadLora" not in engine.calls:
-            await trio.sleep(0.01)
+        await wait_until(lambda: "LoadLora" in engine.calls)
         nursery.cancel_scope.cancel(reason="caller disconnected")
     assert set(engine.held) == {"a"}, "the accepted load ran to its end"
     assert cards.cards == {"a"}

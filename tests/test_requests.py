@@ -209,6 +209,7 @@ async def test_a_worker_cancel_ends_the_request_with_a_migratable_error(
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run)
+        # Virtual time (autojump_clock): the request is a second into its stream, deterministically.
         await trio.sleep(1.0)
         assert server.cancel_all(WorkerDraining("drain deadline")) == 1
     assert len(outcome) == 1
@@ -512,6 +513,7 @@ async def test_a_drain_deadline_is_one_line(
                     await collect(server, request())
 
             nursery.start_soon(run)
+            # Virtual time (autojump_clock): the request is a second into its stream, deterministically.
             await trio.sleep(1.0)
             server.cancel_all(WorkerDraining("drain deadline: retry on another worker"))
     [line] = [r for r in caplog.records if r.name == "sidecar.requests"]
@@ -530,7 +532,7 @@ async def test_an_engine_not_producing_makes_the_worker_withdraw_before_the_erro
     order: list[str] = []
 
     async def withdraw(reason: str) -> None:
-        await trio.sleep(0.1)  # the withdrawal takes a moment: the error must still wait for it
+        await trio.sleep(0.1)  # virtual time: the withdrawal takes a moment, the error must still wait for it
         order.append(f"withdrawn: {reason}")
 
     server.on_stall = withdraw

@@ -2,8 +2,8 @@
 
 An operator bringing an engine runs ``openengine-conformance --engine HOST:PORT`` before production: one line per
 check (pass / variant / fail / skip, with the evidence), then ``N passed, N failed, N skipped``; exit 0 only when
-nothing failed. Each check cites the rule it tests in ``../shared/reference/openengine-wire-v0.1.0.md`` (``wire §…``)
-and ``../shared/reference/tensorrt-llm-openengine.md`` (``trtllm §…``); ``docs/conformance.md`` explains them.
+nothing failed. Each check states the rule it tests and cites it by topic: the OpenEngine v0.1.0 contract
+(``wire §…``) or TensorRT-LLM's server behaviour (``trtllm §…``); ``docs/conformance.md`` lists the topics.
 
 A standalone asyncio program, like ``openengine-mock``: it drives the engine with grpclib directly so that it sees the
 raw wire. Production code never imports it.

@@ -15,8 +15,8 @@ __all__ = ["CHECKS", "Check", "check"]
 class Check:
     """One protocol check: an id (``group.name``), the rule it tests with its citation, and the coroutine that runs it.
 
-    ``rule`` cites sections of ``../shared/reference/openengine-wire-v0.1.0.md`` (``wire §…``) and
-    ``../shared/reference/tensorrt-llm-openengine.md`` (``trtllm §…``).
+    ``rule`` cites topics of the OpenEngine v0.1.0 contract (``wire §…``) and of TensorRT-LLM's server behaviour
+    (``trtllm §…``), listed in ``docs/conformance.md``.
     """
 
     id: str

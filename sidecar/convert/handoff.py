@@ -1,9 +1,9 @@
 """The disaggregation handoff: ``KvSessionRef`` (upb) ⇄ the JSON Dynamo carries as ``disaggregated_params``.
 
-Context-first disaggregation (``dynamo-sidecar.md`` §5): the prefill worker's final chunk carries the engine's
-``PrefillReady.kv_session`` as JSON; the frontend hands that JSON, untouched, to the decode worker as
-``prefill_result.disaggregated_params``; the decode worker replays it as ``GenerateRequest.kv.session``. Both ends
-are this module.
+Context-first disaggregation (as Dynamo's TensorRT-LLM sidecar on OpenEngine does it): the prefill worker's final
+chunk carries the engine's ``PrefillReady.kv_session`` as JSON; the frontend hands that JSON, untouched, to the decode
+worker as ``prefill_result.disaggregated_params``; the decode worker replays it as ``GenerateRequest.kv.session``.
+Both ends are this module.
 
 The JSON is the ``KvSessionRef`` with its proto field names::
 

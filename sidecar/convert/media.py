@@ -12,7 +12,7 @@ decoder, for a chat whose messages carry media parts (``docs/request-features.md
 * ``{"Decoded": …}`` (RDMA descriptors of media the frontend decoded) only for workers that register a media decoder.
 
 An engine aligns media item *i* with the *i*-th placeholder of the prompt (wire §7.5), so the items must follow the
-messages. The rules are those of Dynamo's engine-neutral sidecar (``dynamo-sidecar.md`` §3, "Ordered media"): the
+messages. The rules are those of Dynamo's engine-neutral sidecar (ai-dynamo/dynamo PR #11610, "ordered media"): the
 order comes from ``extra_args.messages[*].content[*].type``, the values from ``multi_modal_data``; with more than one
 modality every item must be listed there (else the order is unknowable and the request is refused); with one modality
 the order within it is already right and unlisted items are kept; messages listing more items of a modality than

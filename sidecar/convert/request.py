@@ -12,8 +12,7 @@ field of the request dict is in exactly one of three states, listed in :data:`FI
 The input is whatever the Dynamo binding hands us, so it is checked, not trusted: any malformed
 value becomes ``RequestRejected``, never another exception (the tests fuzz this).
 
-Rules shared with Dynamo's Rust sidecars (``dynamo-sidecar.md`` §3) and TensorRT-LLM's server
-(``tensorrt-llm-openengine.md`` §6):
+Rules shared with Dynamo's Rust sidecars (ai-dynamo/dynamo ``lib/sidecar/``) and TensorRT-LLM's OpenEngine server:
 
 * ``stopping.max_tokens`` is always sent. When the request has none it is derived as
   ``context_length − prompt_len`` (TensorRT-LLM mishandles an omitted value, TRT-LLM #16549),
@@ -32,7 +31,7 @@ a decode leg: its ``kv.session`` decides), the cache salt → ``kv.cache_salt``,
 (:mod:`.media`; with an engine that takes text, ``extra_args.formatted_prompt`` becomes the input). The
 ``openengine-extra:{json}`` annotation fills ``GenerateRequest.extra`` (non-portable).
 
-Disaggregation (context-first, ``dynamo-sidecar.md`` §5, ``tensorrt-llm-openengine.md`` §8):
+Disaggregation (context-first, as TensorRT-LLM schedules it):
 
 * **prefill** leg: ``max_tokens = 1``; ``min_tokens`` kept (clamped to 1, which has the same effect: EOS cannot end
   the one-token context phase, so the handoff happens); ``extra.request_type = "context_only"`` (TensorRT-LLM picks
@@ -801,10 +800,10 @@ def _skip_engine_detokenize(
     target: generation_pb2.GenerateRequest, logprobs: int | None, prompt_logprobs: int | None
 ) -> None:
     """``extra.detokenize = false``: the frontend detokenizes from the token ids, so the engine's text of every token
-    is thrown away (``tensorrt-llm-openengine.md`` §6). Kept on when the sidecar forwards the engine's token strings
-    (top logprobs, prompt logprobs), when the request has stop strings (the text the engine holds back tells the
-    terminal hold that a stop string may be completing) and when the request's own ``openengine-extra`` annotation
-    decides."""
+    is thrown away (newer TensorRT-LLM builds then send an empty ``TokenOutput.text``; its merged server ignores the
+    flag). Kept on when the sidecar forwards the engine's token strings (top logprobs, prompt logprobs), when the
+    request has stop strings (the text the engine holds back tells the terminal hold that a stop string may be
+    completing) and when the request's own ``openengine-extra`` annotation decides."""
     if (logprobs or 0) > 0 or prompt_logprobs is not None or DETOKENIZE_KEY in target.extra.fields:
         return
     if any(c.WhichOneof("condition") == "stop_text" for c in target.stopping.conditions):

@@ -5,7 +5,7 @@ maps, and raises :class:`~sidecar.errors.ProtocolViolation` at the first breach,
 :class:`~sidecar.errors.EngineFailure` for the terminal in-band ``EngineError``. Either way the
 mapper is then closed: nothing more is returned, and any later event is ``EVENT_AFTER_TERMINAL``.
 
-Chunk shape (``dynamo-runtime.md`` §3.5, §13):
+Chunk shape (Dynamo 1.6.1's ``LLMEngineOutput``, checked by experiment):
 
 * ``token_ids`` on every chunk (Dynamo answers 500 without it), ``index`` on every chunk;
 * never ``text``: the frontend detokenizes from ids, and a chunk with ``text`` loses its logprobs;
@@ -41,14 +41,14 @@ Decisions:
   raised by the next ``map`` or ``end_of_stream``); the request fails (or is migrated, and the next worker
   regenerates from what the client has received, tokens included).
 * The chunk that carries an output's last token also carries its ``finish_reason`` and usage: the frontend applies
-  EOS and stop tokens itself, ends the stream at such a token and drops the chunk after it (``dynamo-runtime.md``
-  §3.4; Dynamo's ``Backend`` stops only when the chunk has no ``finish_reason`` of its own). So the request task asks
+  EOS and stop tokens itself, ends the stream at such a token and drops the chunk after it (Dynamo
+  1.6.1; its ``Backend`` stops only when the chunk has no ``finish_reason`` of its own). So the request task asks
   :meth:`~ResponseMapper.awaits_terminal` whether a chunk ends with a token after which the engine's terminal is due
   (one of the request's EOS / stop token ids, the output's ``max_tokens``-th token, or -- with stop strings -- a
   token whose text the engine holds back), holds it, and hands it back as ``carry`` with the next batch, where the
   ``finished`` event joins it.
 
-Disaggregated legs (``leg``, ``dynamo-sidecar.md`` §4.2):
+Disaggregated legs (``leg``, as Dynamo's TensorRT-LLM sidecar on OpenEngine maps them):
 
 * **prefill**: token events are held back. The terminal ``prefill_ready`` becomes the final chunk: no tokens (the
   decode engine replays the first token; sending it here too would show it twice), ``finish_reason = "length"``

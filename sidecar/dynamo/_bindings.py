@@ -164,7 +164,7 @@ async def register(endpoint: Endpoint, reg: Registration, lora_name: str | None 
 
     With ``lora_name``: a LoRA model card on our endpoint, next to the base card (same routing and runtime config):
     the frontend lists ``lora_name`` in ``/v1/models`` and routes ``model=lora_name`` here with ``routing.lora_name``
-    (``dynamo-runtime.md`` §7). Its key in discovery is the base card's plus ``/<slug of lora_name>``.
+    (ai-dynamo-runtime 1.6.1). Its key in discovery is the base card's plus ``/<slug of lora_name>``.
     """
     model_input = dynamo.llm.ModelInput.Tokens if reg.model_input == "tokens" else dynamo.llm.ModelInput.Text
     router_config = dynamo.llm.RouterConfig(dynamo.llm.RouterMode.KV) if reg.router_mode == "kv" else None

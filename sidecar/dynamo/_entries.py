@@ -17,7 +17,7 @@ Dynamo's file-store key encoding, see :func:`dynamo_key`)::
                                                    KvEventPublisher: worker id, dp rank, recovery target
 
 Every file is JSON; Dynamo's FileStore refreshes the mtime of the files it wrote every 3.3 s (keep-alive), deletes
-files of any owner older than 10 s, and never re-creates one that disappeared (``dynamo-runtime.md`` §12.2): it just
+files of any owner older than 10 s, and never re-creates one that disappeared (checked with 1.6.1): it just
 logs ``FileStore::keep_alive failed opening owned file`` every 3.3 s. It never re-creates a deleted bucket directory
 either, so after ``rm -rf $DYN_FILE_KV/*`` every write of the runtime fails until the directory exists again.
 

@@ -20,7 +20,8 @@ task back: past :data:`_MAX_PENDING_TOKENS` pending tokens the outbox stops coun
 bridge's bound then stops the trio task.
 
 Why callbacks instead of a loop inside the iterator: Dynamo's cancellation is cooperative, and after a client
-disconnect the binding may leave the iterator suspended forever without closing it (``dynamo-runtime.md`` §3.7), so
+disconnect the binding (1.6.1) pulls about one more item, then either throws ``GeneratorExit`` in or leaves the
+iterator suspended forever without closing it, so
 nothing that must happen on a stop may live in an iterator's body or ``finally``. The stop future's callback cancels
 the trio task (through the bridge) and ends the outbox.
 

@@ -49,7 +49,8 @@ class DynamoSettings:
 
 @dataclass(frozen=True, slots=True)
 class Registration:
-    """Everything the model card (MDC) and runtime config carry (``dynamo-sidecar.md`` §2: engine config).
+    """Everything the model card (MDC) and runtime config carry (what Dynamo's Rust sidecars register as the engine
+    config).
 
     ``runtime_data`` values must be JSON-serialisable: each becomes ``ModelRuntimeConfig.set_engine_specific(key,
     json.dumps(value))``. ``needs`` is a DNF: a list of AND-sets of worker roles (``(("decode",),)`` for a prefill

@@ -279,7 +279,7 @@ class DynamoWorker:
         """Put back whatever we published that discovery lost; what was lost, restored and not (with why).
 
         The recovery for a lost registration: file discovery never re-creates an expired or deleted file by itself
-        (``dynamo-runtime.md`` §12.2). With file discovery every entry is checked (see :mod:`._entries` for how each
+        (ai-dynamo-runtime 1.6.1). With file discovery every entry is checked (see :mod:`._entries` for how each
         comes back), bucket directories deleted with it are created again first, and each entry is restored on its
         own: one failure does not stop the others. ``restore_instance`` also puts back a withdrawn instance (the
         watchdog withdraws it while something cannot be restored, and ends that by restoring everything).

@@ -10,9 +10,9 @@ run on the edge loop; everything else is trio and reaches them through an :class
         # on the edge thread (Dynamo's handler), asyncio consumes a trio iterator run in the request nursery:
         #     async with contextlib.aclosing(edge.trio_stream(nursery, handle, request)) as batches: ...
 
-Rules the bridge keeps (measured, see grpc-stack.md §4): items cross in batches, one thread hop per batch and never
-per item; callbacks posted into trio never raise; asyncio objects are created on the edge thread only; cleanup on
-either side is shielded and time-bounded.
+Rules the bridge keeps (measured: batched, it costs nothing against native asyncio; one item per hop costs 40-90 µs
+more): items cross in batches, one thread hop per batch and never per item; callbacks posted into trio never raise;
+asyncio objects are created on the edge thread only; cleanup on either side is shielded and time-bounded.
 """
 
 from ._errors import BridgeCancelled as BridgeCancelled

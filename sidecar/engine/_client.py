@@ -8,7 +8,7 @@ The functions prefixed ``_aio_`` below run on that thread and nowhere else. Each
 failures into :class:`~sidecar.errors.EngineRpcError` before the exception crosses the bridge, so trio code only
 ever sees our error type (or a cancellation).
 
-Rules kept here, each learnt the hard way (``grpc-stack.md``):
+Rules kept here, each learnt the hard way:
 
 * never ``break`` out of ``async with channel.request()`` (its ``__aexit__`` then waits for trailers while the server
   keeps streaming); streams end by exhaustion, by an exception, or by cancellation, which resets the HTTP/2 stream;

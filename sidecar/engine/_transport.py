@@ -5,7 +5,7 @@ grpclib 0.4.9 gets three things wrong for an engine we must not lose requests to
 internals used here change, and checks that stock grpclib still needs every part of it):
 
 * **GOAWAY.** TensorRT-LLM stops with grpc-core's ``server.stop(grace=5)``: a GOAWAY with last-stream-id 2^31-1, then
-  the real one, while open streams run until the grace ends (``tensorrt-llm-openengine.md`` §3). Stock grpclib closes
+  the real one, while open streams run until the grace ends (grpc-core's graceful stop). Stock grpclib closes
   the whole connection on the first GOAWAY (``EventsProcessor.process_connection_terminated``), and h2 moves the
   connection to ``CLOSED`` on it, after which h2 refuses every frame of the streams still open. Here a GOAWAY only
   (a) takes the connection out of its channel, so the next call connects anew, (b) refuses new streams on it

@@ -39,6 +39,7 @@ def _assert_clean(report: Report, *, kinds: int, complete: int) -> None:
     assert report.extra["complete_after_migration"] > 0, "no answer was completed across a migration"
 
 
+@pytest.mark.timeout(1020)  # the soak's bound plus two minutes
 async def test_a_seeded_three_minute_soak_on_file_discovery_has_no_violation(tmp_path: Path) -> None:
     args = Args(3.0, 1, "file", "auto", tmp_path / "report.json", False, tmp_path / "logs")
     with trio.fail_after(900):
@@ -46,6 +47,7 @@ async def test_a_seeded_three_minute_soak_on_file_discovery_has_no_violation(tmp
     _assert_clean(report, kinds=10, complete=500)
 
 
+@pytest.mark.timeout(720)  # the soak's bound plus two minutes
 async def test_a_seeded_soak_on_etcd_and_nats_has_no_violation(tmp_path: Path) -> None:
     missing = missing_binaries()
     if missing:

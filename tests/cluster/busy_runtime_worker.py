@@ -45,7 +45,7 @@ class Scrapes:
         self.lock = threading.Lock()
 
     def exposition(self) -> str:
-        time.sleep(CALLBACK_S)
+        time.sleep(CALLBACK_S)  # not a synchronisation: a metrics callback that is slow on purpose
         with self.lock:
             self.count += 1
         return "# busy\n"
@@ -56,7 +56,7 @@ class Scrapes:
                 with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as answer:
                     answer.read()
             except OSError:
-                time.sleep(0.01)
+                time.sleep(0.01)  # not a synchronisation: the scraper's retry pace
 
 
 async def main(when: str) -> None:
@@ -68,7 +68,7 @@ async def main(when: str) -> None:
         for _ in range(SCRAPERS):
             threading.Thread(target=scrapes.scrape_forever, daemon=True).start()
         while scrapes.count < 2 * SCRAPERS:
-            await trio.sleep(0.01)
+            await trio.sleep(0.01)  # the poll interval of this standalone worker script (no tests.helpers here)
         say("BUSY", scrapes.count)
 
         async def answer(body: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,8 @@ from tests.helpers.processes import free_low_port, start_process
 from .network import Host
 from .topology import Cluster
 
-pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+# pytest.mark.timeout: the cluster (hosts, etcd, NATS, two frontends, three workers) starts inside each test's bound
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 WORKER = Path(__file__).with_name("busy_runtime_worker.py")
 #: Ample for three endpoints served on two busy cores; the deadlock never ends.

@@ -7,6 +7,7 @@ time until traffic flows normally again (printed under "cluster recovery times";
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import signal
@@ -18,6 +19,7 @@ import trio
 
 from tests.faults._client import Outcome, stream_completion
 from tests.helpers.stack import engine_load, wait_engine_idle
+from tests.helpers.waits import wait_until
 
 from .report import record
 from .topology import (
@@ -31,7 +33,8 @@ from .topology import (
     wait_serving,
 )
 
-pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+# pytest.mark.timeout: the cluster (hosts, etcd, NATS, two frontends, three workers) starts inside each test's bound
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 #: Bound on any one test (cluster start-up included): a hang fails, never blocks CI.
 TEST_BOUND = 150.0
@@ -70,8 +73,7 @@ async def _victim_and_others(cluster: Cluster) -> tuple[ClusterWorker, list[Clus
 async def _until_gone(frontends: list[ClusterFrontend], instance_id: int | None, poll: float) -> None:
     """Until no frontend lists ``instance_id`` any more (the caller bounds the wait)."""
     for frontend in frontends:
-        while instance_id in await frontend_instances(frontend.url):
-            await trio.sleep(poll)
+        await wait_until(lambda: _unlisted(frontend.url, instance_id), timeout=math.inf, interval=poll)  # noqa: B023
 
 
 async def _running(workers: list[ClusterWorker]) -> int:
@@ -79,9 +81,7 @@ async def _running(workers: list[ClusterWorker]) -> int:
 
 
 async def _wait_running(workers: list[ClusterWorker], at_least: int, timeout: float = 30) -> None:
-    with trio.fail_after(timeout):
-        while await _running(workers) < at_least:
-            await trio.sleep(0.02)
+    await wait_until(lambda: _at_least(workers, at_least), timeout=timeout, interval=0.02)
 
 
 async def test_both_frontends_route_to_every_worker_across_hosts(cluster: Cluster) -> None:
@@ -125,9 +125,7 @@ async def test_a_drained_worker_leaves_both_frontends_before_it_exits_and_loses_
         async with trio.open_nursery() as nursery:
             # 500 tokens at 10 ms: about 5 s of decoding that the drain must wait for.
             nursery.start_soon(_streams, frontends, 12, 500, in_flight)
-            with trio.fail_after(30):
-                while ((await engine_load(victim.engine_address)).running_requests or 0) < 2:
-                    await trio.sleep(0.02)
+            await _wait_running([victim], 2, timeout=30)
             sent = time.monotonic()
             victim.sidecar.signal(signal.SIGTERM)
             with trio.fail_after(10):
@@ -196,7 +194,7 @@ async def test_a_killed_worker_costs_no_request_while_its_lease_runs_out(cluster
             with trio.fail_after(LEASE_TTL_S + 20):
                 await _until_gone(frontends, victim_id, poll=0.2)
             gone = time.monotonic() - killed
-            await trio.sleep(2.0)  # and a little past it
+            await trio.sleep(2.0)  # not a synchronisation: the traffic goes on a little past it, still served
             stop.set()
         assert await victim.sidecar.wait(5) == -signal.SIGKILL
         await wait_engine_idle(victim.engine_address, timeout=10)
@@ -229,7 +227,7 @@ async def test_etcd_restart_keeps_every_worker_and_renews_leases(cluster: Cluste
         while time.monotonic() - up < LEASE_TTL_S + 2:
             for frontend in frontends:
                 statuses.append(await status_of(frontend.url, prompt="etcd back"))
-            await trio.sleep(0.2)
+            await trio.sleep(0.2)  # not a synchronisation: the pace of the traffic watched through the lease
         assert await frontend_instances(frontends[0].url) == ids
         assert await frontend_instances(frontends[1].url) == ids
         for frontend in frontends:
@@ -259,9 +257,7 @@ async def test_etcd_restart_without_its_data_workers_exit_and_re_register(cluste
             up = time.monotonic()
             # Every lease is gone. Each sidecar finds its registration refused by an etcd that answers, says so in
             # one line and exits 1; the supervisor starts it again and it registers afresh (new lease, new id).
-            with trio.fail_after(60):
-                while not all(w.restarts for w in cluster.workers.values()):
-                    await trio.sleep(0.1)
+            await wait_until(lambda: all(w.restarts for w in cluster.workers.values()), timeout=60, interval=0.1)
             workers_back = time.monotonic() - up
             # Dynamo's frontends lose their leases too: their runtime shuts down and the process exits once the
             # keep-alive gives up; the supervisor restarts them. Watch traffic until that has played out.
@@ -270,7 +266,7 @@ async def test_etcd_restart_without_its_data_workers_exit_and_re_register(cluste
                     status = await status_of(frontend.url, prompt="after etcd data loss", timeout=10)
                     if status != 200:
                         failures.append((time.monotonic() - up, name, status))
-                await trio.sleep(0.1)
+                await trio.sleep(0.1)  # not a synchronisation: the pace of the traffic watched for 35 s
             await wait_serving(list(cluster.frontends.values()), timeout=30)
             await wait_instances(list(cluster.frontends.values()), _ids(cluster), timeout=30)
             nursery.cancel_scope.cancel()
@@ -302,9 +298,9 @@ async def test_etcd_away_longer_than_the_lease_workers_exit_and_re_register(clus
             # Dynamo's lease keep-alive gives up after ~20-30 s without etcd and shuts the runtime down; the sidecar
             # notices (its serve task returns unasked) and exits 1 with one line; the supervisor restarts it, and the
             # new process waits for etcd (--control-plane-deadline-secs) before it registers.
-            with trio.fail_after(75):
-                while any(run.returncode is None for run in first_runs.values()):
-                    await trio.sleep(0.2)
+            await wait_until(
+                lambda: all(run.returncode is not None for run in first_runs.values()), timeout=75, interval=0.2
+            )
             given_up = time.monotonic() - down
             await cluster.start_etcd()
             up = time.monotonic()
@@ -315,7 +311,7 @@ async def test_etcd_away_longer_than_the_lease_workers_exit_and_re_register(clus
                     current = [await frontend_instances(f.url) for f in cluster.frontends.values()]
                     if all(listed == ids for listed in current) and all(w.restarts for w in workers):
                         break
-                    await trio.sleep(0.2)
+                    await trio.sleep(0.2)  # the poll interval (wait_serving inside is a wait of its own)
             normal = time.monotonic() - up
             nursery.cancel_scope.cancel()
         for name, run in first_runs.items():
@@ -353,13 +349,13 @@ async def test_nats_restart_in_flight_streams_finish_new_requests_fail_migratabl
             await cluster.stop_nats(signal.SIGKILL)
 
             async def dispatch(i: int) -> None:
-                await trio.sleep(0.3 * i)
+                await trio.sleep(0.3 * i)  # not a synchronisation: the requests are spread over the outage
                 during.append(await status_of(frontends[i % 2].url, prompt=f"nats away {i}", timeout=60))
 
             async with trio.open_nursery() as requests:
                 for i in range(4):
                     requests.start_soon(dispatch, i)
-                await trio.sleep(3.0)
+                await trio.sleep(3.0)  # not a synchronisation: the outage's length
                 await cluster.start_nats()
                 normal = await wait_serving(frontends, timeout=30)
         # The response plane is TCP from worker to frontend: streams already flowing never touch NATS.
@@ -419,3 +415,11 @@ async def test_one_frontend_dies_and_the_other_keeps_serving(cluster: Cluster) -
     record("frontend killed: failed requests on the other frontend", 0.0, f"0 of {len(survivor_statuses)}")
     record("frontend killed: its streams released on the engines", released[0])
     record("frontend killed: restart to serving with every worker", back, "discovered from etcd")
+
+
+async def _unlisted(url: str, instance_id: int | None) -> bool:
+    return instance_id not in await frontend_instances(url)
+
+
+async def _at_least(workers: list[ClusterWorker], count: int) -> bool:
+    return await _running(workers) >= count

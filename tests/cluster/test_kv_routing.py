@@ -16,11 +16,13 @@ import trio
 
 from tests.e2e.test_kv_routing import wait_published_over
 from tests.helpers.stack import LONG_PROMPT, MODEL, cached_completion, metric_sum
+from tests.helpers.waits import wait_until
 
 from .report import record
 from .topology import Cluster, ClusterFrontend, ClusterWorker, wait_instances
 
-pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+# pytest.mark.timeout: the cluster (hosts, etcd, NATS, two frontends, three workers) starts inside each test's bound
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 REPEATS = 10
 KV_EVENTS_APPLIED = "dynamo_component_kv_cache_events_applied"
@@ -62,8 +64,7 @@ async def test_both_frontends_route_a_repeated_prefix_to_the_worker_holding_it(c
             # The stored event reaches both frontends' routers over the event plane.
             with trio.fail_after(20):
                 for frontend in frontends:
-                    while await _stored_events(http, frontend) < 1:
-                        await trio.sleep(0.05)
+                    await wait_until(lambda: _stored(http, frontend), interval=0.05)  # noqa: B023
             propagated = time.monotonic() - stored
             results = {f.name: await _served(http, f, workers, REPEATS) for f in frontends}
     for name, (counts, cached) in results.items():
@@ -106,3 +107,7 @@ async def test_over_nats_a_kv_router_keeps_new_requests_off_a_worker_another_fro
             load.cancel_scope.cancel()
     assert counts == {"w1": 0, "w2": 10}, counts
     record("Load across frontends over NATS: fe1's requests per worker", None, f"{counts}")
+
+
+async def _stored(http: httpx.AsyncClient, frontend: ClusterFrontend) -> bool:
+    return await _stored_events(http, frontend) >= 1

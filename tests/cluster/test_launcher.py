@@ -15,7 +15,8 @@ from tests.deploy.sessions import run_launcher
 from .network import netns_unavailable
 from .topology import missing_binaries
 
-pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+# pytest.mark.timeout: the cluster (hosts, etcd, NATS, two frontends, three workers) starts inside each test's bound
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "cluster.sh"
 

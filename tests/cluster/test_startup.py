@@ -14,7 +14,8 @@ import trio
 from tests.helpers.processes import dynamo_env, free_port
 from tests.helpers.stack import start_engine, start_sidecar
 
-pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+# pytest.mark.timeout: the cluster (hosts, etcd, NATS, two frontends, three workers) starts inside each test's bound
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 DEADLINE = 2.0
 

@@ -43,6 +43,7 @@ from tests.helpers.processes import (
     stop_process,
 )
 from tests.helpers.stack import MODEL, MODEL_DIR
+from tests.helpers.waits import wait_until
 
 from .network import Host, Network
 
@@ -426,7 +427,7 @@ class Cluster:
             for name, frontend in list(self.frontends.items()):
                 if frontend.process.returncode is not None:
                     await self.restart_frontend(name)
-            await trio.sleep(0.2)
+            await trio.sleep(0.2)  # the supervisor's period, like systemd's restart check
 
     async def stop_worker(self, name: str) -> None:
         worker = self.workers.pop(name)
@@ -501,8 +502,7 @@ async def wait_instances(frontends: Sequence[ClusterFrontend], expected: set[int
     start = time.monotonic()
     with trio.fail_after(timeout):
         for frontend in frontends:
-            while await frontend_instances(frontend.url) != expected:
-                await trio.sleep(0.05)
+            await wait_until(lambda: _lists(frontend.url, expected), timeout=timeout, interval=0.05)  # noqa: B023
     return time.monotonic() - start
 
 
@@ -530,8 +530,7 @@ async def wait_serving(frontends: Sequence[ClusterFrontend], timeout: float) -> 
     start = time.monotonic()
     with trio.fail_after(timeout):
         for frontend in frontends:
-            while await status_of(frontend.url, timeout=10) != 200:
-                await trio.sleep(0.05)
+            await wait_until(lambda: _serves(frontend.url), timeout=timeout, interval=0.05)  # noqa: B023
     return time.monotonic() - start
 
 
@@ -545,5 +544,13 @@ async def routed_to(frontend: ClusterFrontend, worker: ClusterWorker, timeout: f
             await status_of(frontend.url, prompt=f"to {worker.name} {attempt}")
             if worker.received() > before:
                 return time.monotonic() - start
-            await trio.sleep(0.02)
+            await trio.sleep(0.02)  # the poll interval (a request is the probe; each try is counted)
     raise AssertionError("unreachable")
+
+
+async def _lists(url: str, expected: set[int]) -> bool:
+    return await frontend_instances(url) == expected
+
+
+async def _serves(url: str) -> bool:
+    return await status_of(url, timeout=10) == 200

@@ -26,6 +26,7 @@ def test_every_mock_profile_has_a_column() -> None:
     )
 
 
+@pytest.mark.timeout(420)  # the kit's own bound (KIT_TIMEOUT_S) plus the engine around it
 @pytest.mark.parametrize("column", columns(), ids=_column_ids())
 def test_each_mock_configuration_passes_and_matches_the_docs_table(column: Column, tmp_path: Path) -> None:
     report = run_column(column, tmp_path)

@@ -34,7 +34,7 @@ class _GracefulStopServer(openengine_grpc.InferenceBase):
                 h2_stream._h2_connection.close_connection(last_stream_id=2**31 - 1)
                 h2_stream.connection.flush()
                 h2_stream._h2_connection.state_machine.state = ConnectionState.SERVER_OPEN
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)  # not a synchronisation: the fake engine's pace
         final = generation_pb2.GenerateResponse(request_id=request.request_id)
         final.finished.output_index = 0
         final.finished.reason = generation_pb2.FINISH_REASON_LENGTH

@@ -67,7 +67,7 @@ def run_launcher(
         # The launcher waits for every child; give the kernel a moment to reap them.
         deadline = time.monotonic() + 5
         while session_members(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.1)  # the poll interval of synchronous code (wait_until is async)
         left = session_members(proc.pid)
         kill_session(proc.pid)
         return status, output, left

@@ -2,13 +2,13 @@
 
 * Plain Kubernetes objects, and every DynamoGraphDeployment component's pod template (as a Pod), against the
   Kubernetes JSON schemas bundled with ``kubernetes-validate`` (strict: unknown fields fail).
-* The DynamoGraphDeployment itself against the shape Dynamo's operator expects (``dynamo-sidecar.md`` §14):
+* The DynamoGraphDeployment itself against the shape Dynamo's operator expects:
   a hand-written JSON schema, since the operator's CRD is not bundled anywhere offline.
 * What the worker pods promise: loopback gRPC between the containers, Control.Health probes on the engine, probes
   on the sidecar's system port, a termination grace longer than the drain budget, flags the sidecar accepts.
-* What Dynamo's own OpenEngine sidecar examples do (``dynamo-sidecar.md`` §14.3), point by point: backendFramework
-  trtllm, explicit commands, a KV-routing frontend that migrates, the engine pinned by name and schema release,
-  JSON logs, and the Dynamo runtime version named where the image tag is not one.
+* What Dynamo's own OpenEngine sidecar examples do (``examples/backends/trtllm/`` in ai-dynamo/dynamo), point by
+  point: backendFramework trtllm, explicit commands, a KV-routing frontend that migrates, the engine pinned by name
+  and schema release, JSON logs, and the Dynamo runtime version named where the image tag is not one.
 """
 
 from __future__ import annotations

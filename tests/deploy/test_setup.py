@@ -25,6 +25,8 @@ SETUP = ROOT / "launch" / "setup.sh"
 _NOT_SOURCE = shutil.ignore_patterns(
     ".venv", ".git", "__pycache__", "*.egg-info", "build", "dist", ".mypy_cache", ".ruff_cache", ".pytest_cache"
 )
+# pytest.mark.timeout: a fresh install (900 s bound) and a second run of setup
+pytestmark = [pytest.mark.timeout(1080)]
 
 
 def install(venv: Path) -> subprocess.CompletedProcess[str]:

@@ -111,6 +111,7 @@ async def test_engine_shutdown_still_wins_over_the_deferral(autojump_clock: Cloc
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(client)
+        # Virtual time (autojump_clock): one second into the transfer, deterministically.
         await trio.sleep(1.0)
         assert srv.cancel_all(WorkerDraining("drain deadline")) == 1
     assert trio.current_time() == pytest.approx(1.0), "not deferred"
@@ -130,6 +131,7 @@ async def test_a_worker_cancel_ends_a_deferred_stop_at_once(autojump_clock: Cloc
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(client)
+        # Virtual time (autojump_clock): past the client's 1 s, deterministically.
         await trio.sleep(2.0)
         assert recorder.final == "cancel_deferred"
         srv.cancel_all(WorkerDraining("engine lost"))

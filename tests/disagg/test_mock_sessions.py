@@ -143,7 +143,7 @@ def test_a_decode_dropped_mid_transfer_leaves_the_session_held(start_mock: Start
     async def dropped(ch: Channel) -> server_pb2.LoadInfo:
         task = asyncio.create_task(generate(ch, request))
         await wait_for_load(ch, lambda load: load.active_kv_sessions == 1)  # the decode engine is pulling
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # not a synchronisation: the transfer runs a while (pulling is waited for above)
         task.cancel()  # the client goes away: the RPC is cancelled, the decode engine drops the transfer
         return await wait_for_load(ch, lambda load: load.running_requests == 0 and load.active_kv_sessions == 0)
 

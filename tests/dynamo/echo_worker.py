@@ -94,6 +94,7 @@ class Echo:
                 if fail and sent >= fail_at:
                     raise make_error(fail, self.tag)
                 if delay:
+                    # Not a synchronisation: the echo engine's pace (the request's delay annotation).
                     await trio.sleep(delay)
                 n = min(batch, max_tokens - sent)
                 if fail:

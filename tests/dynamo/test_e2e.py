@@ -17,7 +17,14 @@ import pytest
 import trio
 
 from sidecar.dynamo import DynamoSettings, file_discovery_keys
-from tests.helpers.processes import list_models, start_frontend, wait_for_model
+from tests.helpers.processes import (
+    frontend_instances,
+    list_models,
+    start_frontend,
+    wait_for_instances,
+    wait_for_model,
+)
+from tests.helpers.waits import wait_until
 
 from .workers import body, post, start_echo_worker
 
@@ -146,7 +153,7 @@ async def test_migratable_error_is_migrated_to_the_other_worker(
             start_echo_worker(dynamo_env, model_dir, tag="b") as b,
         ):
             await wait_for_model(frontend.url, "tiny", 20)
-            await trio.sleep(0.5)  # both instances known to the router
+            await wait_for_instances(frontend.url, 2, 20)  # both instances known to the router
             for i in range(6):
                 fail_at = 0 if i % 2 == 0 else 2  # before the first token, and mid-stream
                 annotations = [f"fail:{kind}", "fail_tag:a", f"fail_at:{fail_at}"]
@@ -172,7 +179,7 @@ async def test_non_migratable_error_is_not_migrated(
             start_echo_worker(dynamo_env, model_dir, tag="b") as b,
         ):
             await wait_for_model(frontend.url, "tiny", 20)
-            await trio.sleep(0.5)
+            await wait_for_instances(frontend.url, 2, 20)
             failed = 0
             for _ in range(6):
                 reply = await post(frontend.url, body(max_tokens=4, annotations=[f"fail:{kind}", "fail_tag:a"]))
@@ -218,7 +225,7 @@ async def test_withdraw_and_restore(frontend: Frontend, dynamo_env: DynamoEnv, m
             start_echo_worker(dynamo_env, model_dir, tag="b") as b,
         ):
             await wait_for_model(frontend.url, "tiny", 20)
-            await trio.sleep(0.5)
+            await wait_for_instances(frontend.url, 2, 20)
             # An in-flight stream on a survives the withdrawal.
             inflight: list[object] = []
 
@@ -231,16 +238,21 @@ async def test_withdraw_and_restore(frontend: Frontend, dynamo_env: DynamoEnv, m
             async with trio.open_nursery() as nursery:
                 # Round robin: send until one lands on a.
                 for _ in range(10):
-                    before = a.count("REQ")
+                    before, landed = a.count("REQ"), a.count("REQ") + b.count("REQ")
                     nursery.start_soon(long_request)
-                    await trio.sleep(0.2)
+                    await wait_until(lambda: a.count("REQ") + b.count("REQ") > landed, timeout=10)  # noqa: B023
                     if a.count("REQ") > before:
                         break
                 assert a.count("REQ") >= 1
                 t0 = time.monotonic()
                 assert await a.command("withdraw") == "None"
                 withdraw_s = time.monotonic() - t0
-                await trio.sleep(0.3)  # the frontend's discovery watch
+                withdrawn = int(a.instance_hex, 16)
+
+                async def a_unknown() -> bool:
+                    return withdrawn not in await frontend_instances(frontend.url)
+
+                await wait_until(a_unknown, timeout=10, what="the frontend's discovery watch drops a")
                 assert await a.command("present") == "True"  # it publishes what it should: the card only
                 seen_a = a.count("REQ")
                 for _ in range(4):
@@ -270,15 +282,11 @@ async def test_withdrawn_single_worker_answers_503_and_comes_back(
             await wait_for_model(frontend.url, "tiny", 20)
             await worker.command("withdraw")
             t0 = time.monotonic()
-            with trio.fail_after(10):
-                while (await post(frontend.url, body(max_tokens=2))).status != 503:
-                    await trio.sleep(0.02)
+            await wait_until(lambda: _status_is(frontend.url, 503), timeout=10, interval=0.02)
             gone_s = time.monotonic() - t0
             await worker.command("restore")
             t0 = time.monotonic()
-            with trio.fail_after(10):
-                while (await post(frontend.url, body(max_tokens=2))).status != 200:
-                    await trio.sleep(0.02)
+            await wait_until(lambda: _status_is(frontend.url, 200), timeout=10, interval=0.02)
             back_s = time.monotonic() - t0
     print(f"\nwithdraw -> 503 after {gone_s:.3f} s; restore -> 200 after {back_s:.3f} s")
 
@@ -293,9 +301,7 @@ async def test_unregister_and_register_again(frontend: Frontend, dynamo_env: Dyn
             await worker.command("restore")
             await worker.command("register")
             back = await wait_for_model(frontend.url, "tiny", 10)
-            with trio.fail_after(10):
-                while (await post(frontend.url, body(max_tokens=2))).status != 200:
-                    await trio.sleep(0.05)
+            await wait_until(lambda: _status_is(frontend.url, 200), timeout=10, interval=0.05)
     print(f"\nunregister -> gone from /v1/models after {gone:.3f} s; register -> listed after {back:.3f} s")
 
 
@@ -335,11 +341,12 @@ async def test_sigterm_drains_in_flight_requests(frontend: Frontend, dynamo_env:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(stream)
                 await worker.process.wait_for_log(r"^REQ a ", 5)
+                # Not a synchronisation: the SIGTERM is meant to land a few tokens into the stream (0.1 s each).
                 await trio.sleep(0.3)
                 worker.process.signal(signal.SIGTERM)
                 await worker.process.wait_for_log(r"^SHUTDOWN_BEGIN", 5)
-                # No new requests reach a draining worker.
-                await trio.sleep(0.2)
+                # No new requests reach a draining worker, once the frontend has seen it go.
+                await wait_until(lambda: _no_instances(frontend.url), timeout=10, what="the draining worker unlisted")
                 late = await post(frontend.url, body(chat=False, max_tokens=2), chat=False)
                 assert late.status in (404, 503), late
             [reply] = replies
@@ -368,13 +375,12 @@ async def test_set_health_drives_the_system_health_endpoint(
             url = f"http://127.0.0.1:{worker.system_port}/health"
             assert (await client.get(url)).status_code == 200  # the worker calls set_health(True) once serving
             await worker.command("health 0")
-            await trio.sleep(0.05)
             # Served with a health_check_payload, /health follows the endpoint's own (canary) health and
             # set_health(False) has no effect: Dynamo 1.6.1 behaviour, pinned here.
-            assert (await client.get(url)).status_code == (200 if health_payload else 503)
+            expected = 200 if health_payload else 503
+            await wait_until(lambda: _get_status(client, url, expected), timeout=5)
             await worker.command("health 1")
-            await trio.sleep(0.05)
-            assert (await client.get(url)).status_code == 200
+            await wait_until(lambda: _get_status(client, url, 200), timeout=5)
 
 
 async def test_leaving_open_dynamo_without_shutdown_still_deregisters(
@@ -391,3 +397,15 @@ async def test_leaving_open_dynamo_without_shutdown_still_deregisters(
             assert not list((dynamo_env.file_kv / "v1" / "mdc").glob("*"))
             gone = await wait_for_model(frontend.url, "tiny", 5, present=False)
     print(f"\nabort -> process exit {exit_s:.2f} s, model gone {gone:.3f} s later")
+
+
+async def _status_is(url: str, status: int) -> bool:
+    return (await post(url, body(max_tokens=2))).status == status
+
+
+async def _no_instances(url: str) -> bool:
+    return not await frontend_instances(url)
+
+
+async def _get_status(client: httpx.AsyncClient, url: str, status: int) -> bool:
+    return (await client.get(url)).status_code == status

@@ -29,6 +29,7 @@ from sidecar.errors import (
     Violation,
     WorkerDraining,
 )
+from tests.helpers.waits import wait_until
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -77,7 +78,7 @@ class Probe:
             while self.forever or i < self.batches:
                 yield [{"token_ids": [2 * i]}, {"token_ids": [2 * i + 1]}]
                 i += 1
-                await trio.sleep(0.005)
+                await trio.sleep(0.005)  # not a synchronisation: the fake engine's pace
             if self.error is not None:
                 raise self.error
         except trio.Cancelled:
@@ -259,6 +260,7 @@ class Tokens:
     def __init__(self, count: int, pause: float) -> None:
         self.count = count
         self.pause = pause
+        self.yielded = 0
 
     async def __call__(self, request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[list[dict[str, Any]]]:
         for i in range(self.count):
@@ -266,7 +268,8 @@ class Tokens:
             if i == self.count - 1:
                 chunk["finish_reason"] = "length"
             yield [chunk]
-            await trio.sleep(self.pause)
+            self.yielded += 1
+            await trio.sleep(self.pause)  # not a synchronisation: the fake engine's pace
 
 
 async def test_a_consumer_that_keeps_up_gets_every_chunk_alone() -> None:
@@ -286,11 +289,13 @@ async def test_a_consumer_that_keeps_up_gets_every_chunk_alone() -> None:
 async def test_chunks_pending_while_dynamo_is_busy_are_coalesced_in_order() -> None:
     with trio.fail_after(TIMEOUT):
         async with open_edge() as edge, trio.open_nursery() as nursery:
+            tokens = Tokens(50, pause=0)
 
             async def read_slowly() -> list[dict[str, Any]]:
-                agen = make_handler(edge, nursery, Tokens(50, pause=0))({"token_ids": [1]}, FakeContext())  # type: ignore[arg-type]
+                agen = make_handler(edge, nursery, tokens)({"token_ids": [1]}, FakeContext())  # type: ignore[arg-type]
                 out = [await agen.__anext__()]
-                await asyncio.sleep(0.3)  # Dynamo busy: the other 49 tokens pile up
+                # Dynamo busy: the other 49 tokens pile up (the engine has produced them all).
+                await wait_until(lambda: tokens.yielded == 50, timeout=10)
                 out.extend([chunk async for chunk in agen])
                 return out
 

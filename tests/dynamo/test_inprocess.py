@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from sidecar.dynamo import DynamoSettings, Registration, RequestContext, open_dynamo
+from sidecar.dynamo import DynamoSettings, DynamoWorker, Registration, RequestContext, open_dynamo
 from sidecar.edge import open_edge
+from tests.helpers.waits import wait_until
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -35,13 +36,13 @@ async def test_lifecycle_with_in_memory_discovery(model_dir: Path) -> None:
                 assert worker.registration == reg
                 assert await worker.registration_present()
                 await worker.withdraw()
-                with trio.fail_after(5):
-                    while await worker._instance_listed():
-                        await trio.sleep(0.01)
+                await wait_until(lambda: _unlisted(worker), timeout=5)
                 assert await worker.registration_present()  # withdrawn: the instance is not expected
                 await worker.restore()
-                with trio.fail_after(5):
-                    while not await worker._instance_listed():
-                        await trio.sleep(0.01)
+                await wait_until(worker._instance_listed, timeout=5)
                 worker.set_health(False)
                 await worker.shutdown()
+
+
+async def _unlisted(worker: DynamoWorker) -> bool:
+    return not await worker._instance_listed()

@@ -32,6 +32,7 @@ from sidecar.edge import open_edge
 from sidecar.engine import EngineClientConfig, open_engine_client, parse_endpoint
 from tests.helpers.processes import DynamoEnv, Frontend, wait_for_model
 from tests.helpers.stack import MODEL, Engine, dump_logs, start_engine, start_sidecar
+from tests.helpers.waits import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -69,13 +70,17 @@ async def engine_view(address: str) -> tuple[LoadInfo, dict[str, Any]]:
 
 async def wait_quiet(address: str, timeout: float = 10.0) -> tuple[LoadInfo, dict[str, Any]]:
     """Poll until the engine runs nothing and holds no KV session or block; returns its final view."""
-    with trio.fail_after(timeout):
-        while True:
-            load, stats = await engine_view(address)
-            quiet = not stats.get("live_requests") and not stats.get("active_kv_sessions")
-            if quiet and not stats.get("used_kv_blocks") and not load.running_requests:
-                return load, stats
-            await trio.sleep(0.02)
+
+    async def quiet() -> tuple[LoadInfo, dict[str, Any]] | None:
+        load, stats = await engine_view(address)
+        idle = not stats.get("live_requests") and not stats.get("active_kv_sessions")
+        return (load, stats) if idle and not stats.get("used_kv_blocks") and not load.running_requests else None
+
+    view: tuple[LoadInfo, dict[str, Any]] | None = await wait_until(
+        quiet, timeout=timeout, interval=0.02, what=f"engine {address} quiet"
+    )
+    assert view is not None
+    return view
 
 
 #: Both engine profiles; the tests that differ only in setup run on TensorRT-LLM's alone.
@@ -122,7 +127,7 @@ async def start_disagg(
                     )
                     break
                 except openai.APIError:
-                    await trio.sleep(0.1)
+                    await trio.sleep(0.1)  # the poll interval of this retry loop (a request is the probe)
         try:
             yield stack
         except BaseException:
@@ -320,7 +325,7 @@ async def test_a_prefill_engine_without_a_cache_transceiver_fails_saying_why(
                     if response.status_code >= 500 or b"error" in text:
                         events.append({"status": response.status_code, "body": text.decode(errors="replace")})
                     else:
-                        await trio.sleep(0.2)
+                        await trio.sleep(0.2)  # not a synchronisation: the retry's pace until a request fails
             assert events[0]["status"] >= 400 or "error" in events[0]["body"]
             # TensorRT-LLM fails the context-only request (EngineError INTERNAL naming the missing transceiver);
             # the full engine serves it as a plain one-token generation, which the worker refuses to hand off.

@@ -36,6 +36,7 @@ from tests.helpers.stack import (
     start_sidecar,
     wait_routable,
 )
+from tests.helpers.waits import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -71,6 +72,7 @@ async def two_engines(stack: AsyncExitStack, denv: DynamoEnv, *args: str, name: 
     return [await stack.enter_async_context(start_engine(denv, *args, name=f"{name}{i}")) for i in range(2)]
 
 
+@pytest.mark.timeout(420)  # its own bound plus two minutes for the processes around it
 async def test_a_repeated_long_prompt_lands_on_the_worker_holding_its_prefix(dynamo_env: DynamoEnv) -> None:
     denv = dynamo_env
     with trio.fail_after(300):
@@ -91,15 +93,14 @@ async def test_a_repeated_long_prompt_lands_on_the_worker_holding_its_prefix(dyn
                     await wait_routable(frontend.url, workers=2)
                     counts, _ = await served_by(http, frontend.url, workers, 1)
                     warm = counts.index(1)
-                    with trio.fail_after(15):
-                        while True:
-                            page = (await http.get(f"{frontend.url}/metrics")).text
-                            stored = metric_sum(
-                                page, "dynamo_component_kv_cache_events_applied", event_type="stored", status="ok"
-                            )
-                            if stored >= 1:
-                                break
-                            await trio.sleep(0.1)
+
+                    async def stored_applied() -> float:
+                        page = (await http.get(f"{frontend.url}/metrics")).text
+                        return metric_sum(
+                            page, "dynamo_component_kv_cache_events_applied", event_type="stored", status="ok"
+                        )
+
+                    stored = await wait_until(stored_applied, timeout=15, interval=0.1)
                     kv_counts, kv_cached = await served_by(http, frontend.url, workers, REPEATS)
                     page = (await http.get(f"{frontend.url}/metrics")).text
                     assert (

@@ -36,7 +36,8 @@ from tests.deploy.sessions import kill_session, session_members
 from tests.deploy.sessions import run_launcher as run_in_session
 from tests.helpers.processes import free_low_port, free_port
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+# pytest.mark.timeout: one launcher run (RUN_BOUND_S) plus its stop and checks
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(480)]
 
 LAUNCH = Path(__file__).resolve().parents[2] / "launch"
 #: One launcher run, start to clean stop, on a loaded two-core machine.

@@ -31,6 +31,7 @@ from sidecar.edge import open_edge
 from sidecar.engine import EngineClientConfig, open_engine_client, parse_endpoint
 from tests.helpers.processes import DynamoEnv, Frontend, free_port
 from tests.helpers.stack import MODEL, Worker, dump_logs, start_engine, start_sidecar, wait_routable
+from tests.helpers.waits import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -82,9 +83,11 @@ async def listed_models(url: str) -> set[str]:
 
 
 async def wait_listed(url: str, model: str, present: bool, timeout: float = 10.0) -> None:
-    with trio.fail_after(timeout):
-        while (model in await listed_models(url)) != present:
-            await trio.sleep(0.05)
+
+    async def as_wanted() -> bool:
+        return (model in await listed_models(url)) == present
+
+    await wait_until(as_wanted, timeout=timeout, interval=0.05, what=f"{model} {'listed' if present else 'unlisted'}")
 
 
 async def engine_adapters(address: str) -> dict[str, int]:
@@ -279,9 +282,11 @@ async def test_a_new_worker_adopts_the_engines_adapters_and_an_engine_restart_re
                     await second.process.wait_for_log(r"reloaded after the engine restart", timeout=30)
                     await second.process.wait_for_log(r"(?s)reconnecting.*registering -> serving", timeout=30)
                     assert set(await engine_adapters(restarted.address)) == {"tiny-lora-a"}
-                    with trio.fail_after(15):
-                        while (await chat(frontend.url, "tiny-lora-a")).status_code != 200:
-                            await trio.sleep(0.2)
+
+                    async def adapter_answers() -> bool:
+                        return (await chat(frontend.url, "tiny-lora-a")).status_code == 200
+
+                    await wait_until(adapter_answers, timeout=15, interval=0.2)
 
 
 async def test_a_lost_lora_card_is_published_again(dynamo_env: DynamoEnv, frontend: Frontend, lora_root: Path) -> None:
@@ -303,9 +308,7 @@ async def test_a_lost_lora_card_is_published_again(dynamo_env: DynamoEnv, fronte
             assert len(cards) == 1, cards
             cards[0].unlink()
             await worker.process.wait_for_log(r"registration disappeared; publishing it again", timeout=10)
-            with trio.fail_after(10):
-                while not cards[0].exists():
-                    await trio.sleep(0.05)
+            await wait_until(cards[0].exists, timeout=10, interval=0.05)
             assert (await chat(frontend.url, "tiny-lora-a")).status_code == 200
 
 

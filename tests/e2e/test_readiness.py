@@ -23,6 +23,7 @@ import trio
 
 from tests.helpers.processes import DynamoEnv, Frontend, free_port
 from tests.helpers.stack import dump_logs, running_requests, start_engine, start_sidecar, wait_routable
+from tests.helpers.waits import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -52,12 +53,15 @@ async def get(url: str) -> tuple[int, Any]:
 async def wait_status(url: str, status: int, timeout: float) -> tuple[float, Any]:
     """Poll ``url`` until it answers ``status``; returns the seconds it took and the body."""
     start = trio.current_time()
-    with trio.fail_after(timeout):
-        while True:
-            code, body = await get(url)
-            if code == status:
-                return trio.current_time() - start, body
-            await trio.sleep(0.05)
+    answer: list[Any] = []
+
+    async def answers() -> bool:
+        code, body = await get(url)
+        answer[:] = [body]
+        return code == status
+
+    await wait_until(answers, timeout=timeout, interval=0.05, what=f"{url} answering {status}")
+    return trio.current_time() - start, answer[0]
 
 
 async def test_health_is_503_while_connecting_and_reconnecting_and_200_while_serving(dynamo_env: DynamoEnv) -> None:
@@ -143,9 +147,11 @@ async def test_health_is_503_while_degraded_and_while_draining(dynamo_env: Dynam
                         await http.post(f"{frontend.url}/v1/completions", json=body)
 
                     nursery.start_soon(long_request)
-                    with trio.fail_after(10):
-                        while await running_requests(engine.address) < 1:
-                            await trio.sleep(0.05)
+
+                    async def running() -> bool:
+                        return await running_requests(engine.address) >= 1
+
+                    await wait_until(running, timeout=10, interval=0.05)
                     worker.process.signal(signal.SIGTERM)
                     await worker.process.wait_for_log(r"serving -> draining", timeout=10)
                     code, body = await get(f"{base}/health")

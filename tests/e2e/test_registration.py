@@ -22,7 +22,7 @@ import json
 import re
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,10 +37,12 @@ from tests.helpers.stack import (
     Worker,
     cached_completion,
     dump_logs,
+    metric_sum,
     start_engine,
     start_sidecar,
     wait_routable,
 )
+from tests.helpers.waits import WaitTimeout, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -101,13 +103,17 @@ async def follows(stack: Stack, prompt: str, timeout: float = 20.0) -> int:
     with trio.fail_after(timeout):
         for attempt in range(1000):
             text = f"{prompt} (take {attempt})"
+            stored = await stored_events(stack)
             first, _ = await landings(stack, text, 1)
             warm = first.index(1)
-            await trio.sleep(0.3)  # the stored events travel to the router
+            # The stored events travel to the router (the frontend counts those it applied); if they do not come,
+            # the retry takes a fresh prompt.
+            with suppress(WaitTimeout):
+                await wait_until(lambda: _more_than(stored_events(stack), stored), timeout=2)  # noqa: B023
             repeats, cached = await landings(stack, text, 4)
             if repeats[warm] == 4 and cached == 4:
                 return warm
-            await trio.sleep(0.2)
+            await trio.sleep(0.2)  # not a synchronisation: the retry's pace
     raise AssertionError("unreachable")
 
 
@@ -154,9 +160,7 @@ async def warm_up(stack: Stack) -> int:
 async def wait_restored(root: Path, expected: set[str], timeout: float) -> float:
     """Seconds until every file of ``expected`` is back (fails after ``timeout``)."""
     start = trio.current_time()
-    with trio.fail_after(timeout):
-        while not expected <= published(root):
-            await trio.sleep(0.02)
+    await wait_until(lambda: expected <= published(root), timeout=timeout, interval=0.02, what="every entry back")
     return trio.current_time() - start
 
 
@@ -312,12 +316,14 @@ async def test_an_entry_that_cannot_be_written_takes_the_worker_out_of_serving_u
             print(f"\nout of serving {took:.2f} s after the entry became unwritable (interval {INTERVAL:g} s)")
             assert took <= 2 * INTERVAL
             await worker.process.wait_for_log(r"worker serving -> degraded \(degrade\)", 5)
-            with trio.fail_after(5):
-                while instance.exists():  # withdrawn: the frontend stops routing here
-                    await trio.sleep(0.02)
-            await trio.sleep(3 * INTERVAL)
+            # Withdrawn: the frontend stops routing here.
+            await wait_until(lambda: not instance.exists(), timeout=5, interval=0.02)
+
+            async def three_checks_failed() -> bool:
+                return await worker_metric(http, worker, "registration_restore_failures") >= 3
+
+            await wait_until(three_checks_failed, timeout=10 * INTERVAL + 5)
             assert len(re.findall(LEFT, worker.process.log())) == 1, "one line, not one per check"
-            assert await worker_metric(http, worker, "registration_restore_failures") >= 3
             shutil.rmtree(source)
             started = trio.current_time()
             mark = len(worker.process.log())
@@ -343,3 +349,13 @@ async def test_an_entry_that_can_never_be_written_ends_the_worker(dynamo_env: Dy
             assert "discovery registration not restored in 12 checks" in log
             assert "exiting so that a supervisor starts a fresh worker" in log
             assert "Traceback" not in log
+
+
+async def stored_events(stack: Stack) -> float:
+    """KV "stored" events the frontend's router has applied."""
+    page = (await stack.http.get(f"{stack.frontend.url}/metrics")).text
+    return metric_sum(page, "dynamo_component_kv_cache_events_applied", event_type="stored", status="ok")
+
+
+async def _more_than(count: Awaitable[float], before: float) -> bool:
+    return await count > before

@@ -1,5 +1,5 @@
 """End to end, through the real frontend: the sidecar's answers where its behaviour changes with TensorRT-LLM's server
-(``--profile trtllm``, ``../shared/reference/tensorrt-llm-openengine.md``; issue 22).
+(``--profile trtllm``, TensorRT-LLM's server on the wire; issue 22).
 
 * **Stop words** are matched by TensorRT-LLM as token sequences and trimmed: never streamed, not counted. The client
   gets exactly the text and ``completion_tokens`` TensorRT-LLM produced, the request ends as a finish (no cancel, no
@@ -28,7 +28,7 @@ import trio
 
 from sidecar.convert.response import LOGPROB_FLOOR
 from sidecar.testing.mock.lm import TinyLM
-from tests.e2e.test_disagg import engine_view, start_disagg, user, wait_quiet
+from tests.e2e.test_disagg import Disagg, engine_view, start_disagg, user, wait_quiet
 from tests.helpers.processes import DynamoEnv, Frontend
 from tests.helpers.stack import (
     MODEL,
@@ -41,6 +41,7 @@ from tests.helpers.stack import (
     wait_engine_idle,
     wait_routable,
 )
+from tests.helpers.waits import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -135,8 +136,13 @@ async def test_a_stop_word_is_trimmed_and_uncounted_on_tensorrt_llm_and_ends_as_
                     assert unary.json()["choices"][0]["text"] == expected_text, (extra, unary.text)
                     assert unary.json()["usage"]["completion_tokens"] == expected_tokens, (extra, unary.text)
                 await wait_engine_idle(engine.address, timeout=10)
-                await trio.sleep(0.5)  # the last request's end reaches the metrics
-                metrics_after = await worker_metrics(worker.system_url)
+
+                async def every_end_counted() -> str:
+                    text = await worker_metrics(worker.system_url)
+                    ended = metric_sum(text, ENDED) - metric_sum(metrics_before, ENDED)
+                    return text if ended >= 2 * len(cases) else ""
+
+                metrics_after = await wait_until(every_end_counted, timeout=10, what="the last request's end")
                 stats_after = await mock_stats(engine.address)
             except BaseException:
                 dump_logs(dynamo_env)
@@ -191,9 +197,7 @@ async def test_a_kv_session_that_expired_before_the_decode_claim_is_a_500(
                     long.append(await chat_status(frontend.url, "Tell me a long story.", max_tokens=600))
 
                 nursery.start_soon(blocker)
-                with trio.fail_after(30):
-                    while (await engine_view(stack.decode.address))[1].get("live_requests", 0) < 1:
-                        await trio.sleep(0.05)
+                await wait_until(lambda: _decode_view(stack, "live_requests"), timeout=30, interval=0.05)
                 victim = await chat_status(frontend.url, "Tell me about the river.")
             # A failed KV transfer is the engines' failure, never the client's: 500, not 4xx. The frontend hides a
             # 500's message; the decode worker's log says why.
@@ -226,9 +230,8 @@ async def test_a_kv_transfer_cut_by_the_prefill_engine_dying_is_a_500(
                     answers.append(await chat_status(frontend.url, "Tell me about the river."))
 
                 nursery.start_soon(request)
-                with trio.fail_after(30):  # the decode engine's claim is in flight
-                    while not (await engine_view(stack.decode.address))[1].get("active_kv_sessions"):
-                        await trio.sleep(0.05)
+                # The decode engine's claim is in flight.
+                await wait_until(lambda: _decode_view(stack, "active_kv_sessions"), timeout=30, interval=0.05)
                 stack.prefill.process.signal(signal.SIGKILL)
                 await stack.prefill.process.wait(10)
             assert answers[0].status_code == 500, (answers[0].status_code, answers[0].text)
@@ -280,3 +283,8 @@ async def test_the_first_token_keeps_its_logprob_and_candidates_across_the_hando
         assert sorted(top) == sorted(text for text, _ in want), (position, top)
         for text, logprob in want:
             assert top[text] == pytest.approx(logprob, abs=1e-5), (position, text)
+
+
+async def _decode_view(stack: Disagg, key: str) -> int:
+    """One count of the decode engine's own view (``mock_stats``), e.g. its live requests."""
+    return int((await engine_view(stack.decode.address))[1].get(key) or 0)

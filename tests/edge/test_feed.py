@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
+import trio.testing
 
 from sidecar.edge import Edge, EdgeClosed, Feed, StreamIdle, open_edge
+from tests.helpers.waits import wait_until
 
 if TYPE_CHECKING:
     from sidecar.edge import BatchStream, FeedStream
@@ -76,7 +78,8 @@ async def test_a_producer_holding_back_resumes_when_trio_takes_items(edge: Edge)
 
     with trio.fail_after(TIMEOUT):
         async with edge.open_feed(start, high_water=8) as batches:
-            await trio.sleep(0.2)
+            await wait_until(lambda: state["pushed"] >= 8)
+            await trio.sleep(0.05)  # not a synchronisation: a negative check, time for a wrong push to show
             assert state["pushed"] == 8, "the producer ran past high_water items not taken"
             got = [item async for batch in batches for item in batch]
     assert got == list(range(1, 101))
@@ -95,8 +98,8 @@ async def test_leaving_early_cancels_the_producer_on_the_loop(edge: Edge) -> Non
         async with edge.open_feed(start) as batches:
             assert await batches.__anext__() == [1]
         # on_cancel ran (on the loop) before leaving returned: its post is already queued in trio.
-        await trio.sleep(0.05)
-        assert cancelled.is_set()
+        with trio.fail_after(1):
+            await cancelled.wait()
 
 
 async def test_a_start_function_that_raises_fails_the_feed(edge: Edge) -> None:
@@ -179,7 +182,7 @@ async def _interrupt_while_waiting(batches: BatchStream[int] | FeedStream[int], 
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(wait)
-        await trio.sleep(0.05)
+        await trio.testing.wait_all_tasks_blocked()  # the waiter waits for a batch
         batches.interrupt(error)
     return caught
 
@@ -190,6 +193,7 @@ async def _push(feed: Feed[int], value: int) -> None:
 
 async def _slow_source(first: int, pause: float, then: int) -> Any:
     yield first
+    # Not a synchronisation: the source's own pace.
     await asyncio.sleep(pause)
     yield then
 

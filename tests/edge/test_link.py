@@ -13,8 +13,9 @@ import trio
 
 from sidecar.edge import Edge
 from sidecar.edge._link import Link
+from tests.helpers.waits import wait_until
 
-from ._helpers import TIMEOUT, wait_until
+from ._helpers import TIMEOUT
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -113,7 +114,7 @@ async def test_racing_posters_strand_nothing_and_keep_their_own_order(edge: Edge
         await wait_until(lambda: len(seen) == 3 * per_poster)
         for thread in threads:
             thread.join()
-        await trio.sleep(0.05)
+        await trio.sleep(0.05)  # not a synchronisation: a negative check, time for a stray delivery to show
     assert len(seen) == 3 * per_poster
     for name in ("a", "b", "trio"):
         assert [i for who, i in seen if who == name] == list(range(per_poster))

@@ -16,8 +16,9 @@ import pytest
 import trio
 
 from sidecar.edge._link import Link
+from tests.helpers.waits import wait_until
 
-from ._helpers import TIMEOUT, Boom, wait_until
+from ._helpers import TIMEOUT, Boom
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -34,6 +35,7 @@ async def bursts(count: int, size: int) -> AsyncIterator[int]:
         for _ in range(size):
             yield n
             n += 1
+        # Not a synchronisation: the producer's pace between bursts.
         await asyncio.sleep(0.001)
 
 
@@ -118,11 +120,13 @@ async def test_the_pump_pauses_at_high_water_until_trio_takes_a_batch(edge: Edge
     with trio.fail_after(TIMEOUT):
         async with edge.open_stream(flat_out, produced, high_water=64) as stream:
             await wait_until(lambda: produced[0] >= 64)
+            # Not a synchronisation: a negative check, time for the producer to run past the mark if it would.
             await trio.sleep(0.1)
             assert produced[0] == 64, "the producer ran past the high-water mark"
 
             batch = await anext(stream)
             await wait_until(lambda: produced[0] >= 64 + len(batch))
+            # Not a synchronisation: a negative check, time for the producer to run past the mark if it would.
             await trio.sleep(0.1)
             assert produced[0] == 64 + len(batch)
 
@@ -170,6 +174,7 @@ async def test_an_exception_from_the_iterator_factory_crosses_too(edge: Edge) ->
 
 async def test_two_tasks_cannot_iterate_one_stream(edge: Edge) -> None:
     async def silent() -> AsyncIterator[int]:
+        # Not a synchronisation: a producer that never ends by itself.
         await asyncio.sleep(30)
         yield 0
 
@@ -267,6 +272,7 @@ async def _cancel_latency(edge: Edge, mode: str) -> float:
             await wait_until(lambda: produced[0] >= BACKLOG)
         else:
             await wait_until(lambda: consumed[0] >= BACKLOG)
+        # Not a synchronisation: the mode runs a moment before the cancel whose latency is measured.
         await trio.sleep(0.02)
         cancelled_at = time.perf_counter()
         nursery.cancel_scope.cancel(reason="measuring cancel latency")
@@ -294,6 +300,7 @@ async def test_trio_keeps_ticking_while_a_flat_out_asyncio_producer_streams(edge
     async def ticker() -> None:
         while not stop.is_set():
             before = trio.current_time()
+            # Not a synchronisation: the ticker's period (its lateness is what is measured).
             await trio.sleep(0.005)
             lateness.append(trio.current_time() - before - 0.005)
 
@@ -324,6 +331,7 @@ async def test_the_pump_does_not_starve_other_asyncio_work(edge: Edge) -> None:
         end = time.perf_counter() + duration  # not loop.time(): uvloop's clock has millisecond resolution
         while time.perf_counter() < end:
             before = time.perf_counter()
+            # Not a synchronisation: the other asyncio work's period (its lateness is what is measured).
             await asyncio.sleep(0.005)
             lateness.append(time.perf_counter() - before - 0.005)
 

@@ -64,6 +64,7 @@ async def test_cancelling_the_trio_caller_cancels_the_asyncio_task_and_waits_for
     async def slow() -> None:
         token.run_sync_soon(started.set)
         try:
+            # Not a synchronisation: a task that would run long, to be cancelled.
             await asyncio.sleep(30)
         except asyncio.CancelledError:
             seen.append("cancelled")
@@ -90,6 +91,7 @@ async def test_cancel_waits_at_most_about_a_second_for_an_asyncio_task_that_igno
     async def stubborn() -> None:
         token.run_sync_soon(started.set)
         try:
+            # Not a synchronisation: a task that would run long, to be cancelled.
             await asyncio.sleep(30)
         except asyncio.CancelledError:
             await asyncio.sleep(2.5)  # ignores the cancel; the loop's shutdown cancels it again at teardown
@@ -111,6 +113,7 @@ async def test_an_asyncio_task_cancelled_by_someone_else_raises_bridge_cancelled
         task = asyncio.current_task()
         assert task is not None
         task.cancel()
+        # Not a synchronisation: the point where the task's own cancel lands.
         await asyncio.sleep(1)
 
     with trio.fail_after(TIMEOUT), pytest.raises(BridgeCancelled):
@@ -124,6 +127,7 @@ async def test_a_call_still_running_when_the_edge_closes_raises_edge_closed() ->
 
     async def forever() -> None:
         token.run_sync_soon(started.set)
+        # Not a synchronisation: a task that would run long, to be cancelled.
         await asyncio.sleep(30)
 
     with trio.fail_after(TIMEOUT):

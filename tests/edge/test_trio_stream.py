@@ -15,8 +15,9 @@ import pytest
 import trio
 
 from sidecar.edge import BridgeCancelled, EdgeClosed
+from tests.helpers.waits import wait_until
 
-from ._helpers import TIMEOUT, Boom, wait_until
+from ._helpers import TIMEOUT, Boom
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -31,6 +32,7 @@ async def trio_bursts(count: int, size: int) -> AsyncIterator[int]:
         for _ in range(size):
             yield n
             n += 1
+        # Not a synchronisation: the producer's pace between bursts.
         await trio.sleep(0.001)
 
 
@@ -109,11 +111,13 @@ async def test_the_trio_producer_pauses_at_high_water_until_asyncio_takes_a_batc
 
             stream = await edge.run(start)
             await wait_until(lambda: produced[0] >= 32)
+            # Not a synchronisation: a negative check, time for the producer to run past the mark if it would.
             await trio.sleep(0.1)
             assert produced[0] == 32, "the trio producer ran past the high-water mark"
 
             batch = await edge.run(anext, stream)
             await wait_until(lambda: produced[0] >= 32 + len(batch))
+            # Not a synchronisation: a negative check, time for the producer to run past the mark if it would.
             await trio.sleep(0.1)
             assert produced[0] == 32 + len(batch)
             await edge.run(stream.aclose)

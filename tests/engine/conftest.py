@@ -23,6 +23,7 @@ import trio
 
 from sidecar.edge import Edge, open_edge
 from sidecar.engine import Endpoint, EngineClient, EngineClientConfig, open_engine_client, parse_endpoint
+from tests.helpers.waits import wait_until
 
 #: Bound on the mock writing its port file (interpreter start + tokenizer load on a loaded 2-core CI box).
 MOCK_START_TIMEOUT = 30.0
@@ -82,11 +83,13 @@ async def start_mock(*flags: str, port: int = 0, wait: bool = True) -> AsyncIter
         try:
             endpoint = Endpoint("127.0.0.1", port)
             if wait:
-                with trio.fail_after(MOCK_START_TIMEOUT):
-                    while not port_file.exists():
-                        if process.returncode is not None:
-                            raise RuntimeError(f"openengine-mock exited early:\n{log_path.read_text()[-4000:]}")
-                        await trio.sleep(0.02)
+
+                def listening() -> bool:
+                    if process.returncode is not None:
+                        raise RuntimeError(f"openengine-mock exited early:\n{log_path.read_text()[-4000:]}")
+                    return port_file.exists()
+
+                await wait_until(listening, timeout=MOCK_START_TIMEOUT, interval=0.02, what="openengine-mock listening")
                 endpoint = parse_endpoint(port_file.read_text().strip())
             yield MockEngine(endpoint, process, log_path)
         finally:
@@ -132,7 +135,7 @@ def shared_mock() -> Iterator[SharedMock]:
             while not port_file.exists():
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"openengine-mock did not start:\n{log_path.read_text()[-4000:]}")
-                time.sleep(0.02)
+                time.sleep(0.02)  # the poll interval of a synchronous fixture (wait_until is async)
             yield SharedMock(parse_endpoint(port_file.read_text().strip()), process, log_path)
         finally:
             with suppress(ProcessLookupError):

@@ -2,7 +2,7 @@
 
 TensorRT-LLM's server is a ``grpc.aio`` server stopped with ``server.stop(grace=5)``: grpc-core sends a GOAWAY with
 last-stream-id 2^31-1, then the real one after a PING, lets open streams run until the grace ends, then cuts them
-(``tensorrt-llm-openengine.md`` §3). A grpcio server in this process does exactly that, from its own threads:
+(grpc-core's graceful stop). A grpcio server in this process does exactly that, from its own threads:
 
 * ``Generate`` streams ``stopping.max_tokens`` tokens (default 40), one every ``token_s``, then a ``finished`` event;
   it stops early when grpc-core cancels the call (grace over);
@@ -58,6 +58,7 @@ class GrpcioEngine:
             yield token
             with self._lock:
                 self.tokens_sent[rid] += 1
+            # Not a synchronisation: the engine's time per token.
             time.sleep(self.token_s)
         done = generation_pb2.GenerateResponse(request_id=rid)
         done.finished.output_index = 0

@@ -79,6 +79,7 @@ class Responder:
     async def data(self, payload: bytes, *, end: bool = False, pad: int | None = None) -> None:
         """One DATA frame (waits for window: a client that does not acknowledge stalls the script here)."""
         while self._conn.local_flow_control_window(self.stream_id) < len(payload) + (pad or 0) + (1 if pad else 0):
+            # Not a synchronisation: the fake engine's pace.
             await asyncio.sleep(0.005)
         self._conn.send_data(self.stream_id, payload, end_stream=end, pad_length=pad)
         self._server.seen.sent[self.stream_id] = self._server.seen.sent.get(self.stream_id, 0) + len(payload)

@@ -18,6 +18,7 @@ from sidecar.edge import Edge, open_edge
 from sidecar.engine import Endpoint, EngineClient, EngineClientConfig, RequestMetadata, TraceContext, open_engine_client
 from sidecar.engine import _client as engine_client
 from sidecar.errors import EngineRpcError, GrpcCode
+from tests.helpers.waits import wait_until
 
 from .conftest import connected_client
 from .fake_engine import fake_engine
@@ -118,9 +119,7 @@ async def test_cancellation_reaches_the_server_fast(edge: Edge) -> None:
                     async for _ in stream:
                         left = time.monotonic()
                         break
-                with trio.fail_after(2):
-                    while rid not in seen.cancelled_at:
-                        await trio.sleep(0.0005)
+                await wait_until(lambda: rid in seen.cancelled_at, timeout=2, interval=0.0005)  # noqa: B023
                 delays.append(seen.cancelled_at[rid] - left)
     print(f"server-side cancel delay: median {1e3 * statistics.median(delays):.2f} ms, max {1e3 * max(delays):.2f} ms")
     assert max(delays) < CANCEL_MAX_S
@@ -135,9 +134,7 @@ async def test_trio_cancel_scope_cancels_the_stream(edge: Edge) -> None:
                     await drain(stream)
             assert scope.cancelled_caught
             left = scope.deadline  # trio's clock is time.monotonic() (no mock clock here)
-            with trio.fail_after(2):
-                while "hang-scope" not in seen.cancelled_at:
-                    await trio.sleep(0.0005)
+            await wait_until(lambda: "hang-scope" in seen.cancelled_at, timeout=2, interval=0.0005)
             assert seen.cancelled_at["hang-scope"] - left < CANCEL_MAX_S
 
 
@@ -226,8 +223,7 @@ async def test_close_fails_open_streams_with_unavailable(edge: Edge) -> None:
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(consume)
-                while not received:
-                    await trio.sleep(0.001)
+                await wait_until(lambda: received, interval=0.001)
                 await client.aclose()
     (error,) = errors
     assert error.code is GrpcCode.UNAVAILABLE
@@ -284,9 +280,9 @@ async def test_control_rpcs_answer_promptly_while_every_generate_slot_is_taken(
 
             for i in range(5):
                 nursery.start_soon(hang, i)
-            while streaming < 4:
-                await trio.sleep(0.01)
-            await trio.sleep(0.1)  # the fifth stream has asked for a slot by now
+            await wait_until(lambda: streaming >= 4)
+            # The fifth stream has asked for a slot: the client logged that it waits (the log's timestamp is set).
+            await wait_until(lambda: engine_client._stream_limit_logged_at > -math.inf, what="the fifth stream waits")
             assert streaming == 4
             generate_ports = {call.peer_port for call in seen.calls if call.method == "Generate"}
             seen.calls.clear()

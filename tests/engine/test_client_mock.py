@@ -32,6 +32,7 @@ from sidecar.engine import (
     open_engine_client,
 )
 from sidecar.errors import EngineRpcError, GrpcCode
+from tests.helpers.waits import wait_until
 
 from .conftest import MockEngine, SharedMock, connected_client, free_port, start_mock
 
@@ -90,12 +91,12 @@ def flat(batches: list[list[Any]]) -> list[Any]:
 async def wait_idle(client: EngineClient, within: float = CANCEL_VISIBLE_WITHIN) -> float:
     """Poll GetLoad until running_requests is 0; return how long it took (fails after ``within``)."""
     start = trio.current_time()
-    with trio.fail_after(within):
-        while True:
-            load = await client.get_load()
-            if not load.running_requests:
-                return trio.current_time() - start
-            await trio.sleep(0.005)
+
+    async def idle() -> bool:
+        return not (await client.get_load()).running_requests
+
+    await wait_until(idle, timeout=within, interval=0.005, what="the engine idle")
+    return trio.current_time() - start
 
 
 # ---------------------------------------------------------------------------------------------- Control RPCs
@@ -358,8 +359,7 @@ async def test_trio_cancel_frees_the_engine_request(client: EngineClient) -> Non
                         received += len(batch)
 
             nursery.start_soon(consume)
-            while received < 100:
-                await trio.sleep(0.001)
+            await wait_until(lambda: received >= 100, interval=0.001)
             assert (await client.get_load()).running_requests == 1
             cancelled_at = trio.current_time()
             nursery.cancel_scope.cancel(reason="test cancels the request")
@@ -393,12 +393,10 @@ async def test_wait_connected_retries_until_a_late_engine_listens(edge: Edge) ->
                 result.append(await client.wait_connected(trio.current_time() + 25))
 
             nursery.start_soon(connect)
-            await trio.sleep(1.0)
+            await trio.sleep(1.0)  # not a synchronisation: a negative check, no engine for a while
             assert not result
             async with start_mock(port=port):
-                with trio.fail_after(20):
-                    while not result:
-                        await trio.sleep(0.05)
+                await wait_until(lambda: result, timeout=20, interval=0.05)
             assert result[0].engine_name == "tensorrt_llm"
 
 
@@ -493,6 +491,5 @@ async def test_the_mock_takes_more_than_100_streams_per_connection(edge: Edge, m
 
             for _ in range(streams):
                 nursery.start_soon(one)
-            while streaming < streams:
-                await trio.sleep(0.02)
+            await wait_until(lambda: streaming >= streams, interval=0.02)
             nursery.cancel_scope.cancel()

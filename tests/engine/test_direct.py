@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -24,6 +24,7 @@ from sidecar.engine import Endpoint, EngineClient, EngineClientConfig, _direct, 
 from sidecar.errors import EngineRpcError, GrpcCode
 from sidecar.testing.h2pair import connected_pair
 from tests.engine.raw_h2 import RID, Responder, message, raw_engine, token
+from tests.helpers.waits import wait_until
 
 TEST_BOUND = 20.0
 
@@ -66,6 +67,7 @@ async def test_messages_are_cut_out_of_any_framing_in_order(edge: Edge) -> None:
         frame = r.frame_bytes(token(5) + token(6)[:4])  # one frame written in three pieces, a message split on
         for part in (frame[:4], frame[4:13], frame[13:]):  # the frame header, and the rest of 6 in the next frame
             r.raw(part)
+            # Not a synchronisation: the pieces are written apart so that the client reads them apart.
             await asyncio.sleep(0.02)
         await r.data(token(6)[4:])
         await r.data(token(7), pad=9)  # a padded frame (through h2)
@@ -131,9 +133,9 @@ async def test_a_consumer_that_stops_reading_stops_the_engine_at_the_window(edge
             client.generate(request()) as batches,
         ):
             first = await batches.__anext__()
-            await trio.sleep(1.0)  # not reading: the engine fills what the client buffers, then the window
-            stalled = sum(seen.sent.values())
-            await trio.sleep(0.5)
+            # Not reading: the engine fills what the client buffers, then the window, and stops.
+            stalled = await _settled(lambda: sum(seen.sent.values()), quiet=0.3)
+            await trio.sleep(0.5)  # not a synchronisation: a negative check, time for a send past the window to show
             assert sum(seen.sent.values()) == stalled, "the engine kept sending to a consumer that does not read"
             # At most what was taken, the bridge's bound (1,024 messages not taken) and one stream window.
             assert stalled <= (len(first) + 1024) * size + window
@@ -172,13 +174,13 @@ async def test_bad_response_headers_fail_the_stream_as_grpclib_did(
 ) -> None:
     async def script(r: Responder) -> None:
         r.headers(fields)
+        # Not a synchronisation: an engine that goes silent.
         await asyncio.sleep(30)
 
     with trio.fail_after(TEST_BOUND):
         async with raw_engine(edge, script) as (endpoint, seen), client_for(edge, endpoint) as client:
             ids, error = await read_all(client)
-            while not seen.resets:
-                await trio.sleep(0.01)
+            await wait_until(lambda: seen.resets)
     assert ids == []
     assert error is not None
     assert error.code is code
@@ -204,6 +206,7 @@ async def test_a_reset_in_the_middle_of_a_message_keeps_the_whole_ones(edge: Edg
     async def script(r: Responder) -> None:
         r.headers()
         await r.data(token(1) + token(2)[:7])
+        # Not a synchronisation: the whole messages reach the client before the reset.
         await asyncio.sleep(0.05)
         r.reset(2)  # INTERNAL_ERROR
 
@@ -246,6 +249,7 @@ async def test_a_message_over_the_limit_fails_before_its_body_arrives(edge: Edge
         r.headers()
         await r.data(token(1))
         await r.data(b"\x00" + (10 * limit).to_bytes(4, "big") + b"\x01" * 100)  # announces 40 KiB, sends 100 bytes
+        # Not a synchronisation: an engine that goes silent.
         await asyncio.sleep(30)
 
     with trio.fail_after(TEST_BOUND):
@@ -254,8 +258,7 @@ async def test_a_message_over_the_limit_fails_before_its_body_arrives(edge: Edge
             client_for(edge, endpoint, max_message_bytes=limit) as client,
         ):
             ids, error = await read_all(client)
-            while not seen.resets:
-                await trio.sleep(0.01)
+            await wait_until(lambda: seen.resets)
     assert ids == [1]
     assert error is not None
     assert error.code is GrpcCode.RESOURCE_EXHAUSTED
@@ -266,6 +269,7 @@ async def test_a_message_over_the_limit_fails_before_its_body_arrives(edge: Edge
 async def _one_token_then_silence(r: Responder) -> None:
     r.headers()
     await r.data(token(1))
+    # Not a synchronisation: an engine that goes silent.
     await asyncio.sleep(30)
 
 
@@ -277,7 +281,7 @@ async def test_leaving_the_stream_resets_it_at_once(edge: Edge) -> None:
                     assert [r.token.tokens[0].token_id for r in await batches.__anext__()] == [1]
                     left = time.monotonic()
                 # The reset is written by the loop callback that leaving posts, before leaving returns.
-                await trio.sleep(0.05)
+                await wait_until(lambda: len(seen.resets) > attempt, timeout=1)  # noqa: B023
                 assert len(seen.resets) == attempt + 1
                 _, code, at = seen.resets[-1]
                 assert code == 8  # CANCEL
@@ -291,8 +295,7 @@ async def test_a_deadline_ends_the_stream_deadline_exceeded(edge: Edge) -> None:
     with trio.fail_after(TEST_BOUND):
         async with raw_engine(edge, _one_token_then_silence) as (endpoint, seen), client_for(edge, endpoint) as client:
             ids, error = await read_all(client, timeout_s=0.3)
-            while not seen.resets:
-                await trio.sleep(0.01)
+            await wait_until(lambda: seen.resets)
     assert ids == [1]
     assert error is not None
     assert error.code is GrpcCode.DEADLINE_EXCEEDED
@@ -347,3 +350,18 @@ def test_a_plain_data_frame_accounted_by_the_direct_path_leaves_h2_as_h2_would()
     ours, theirs = direct.streams[stream_id], via_h2.streams[stream_id]
     assert ours._inbound_window_manager.current_window_size == theirs._inbound_window_manager.current_window_size
     assert ours._actual_content_length == theirs._actual_content_length
+
+
+async def _settled(read: Callable[[], int], quiet: float) -> int:
+    """``read()`` once it has not changed for ``quiet`` seconds (a sender that stopped)."""
+    last, since = read(), trio.current_time()
+
+    def still() -> bool:
+        nonlocal last, since
+        now = read()
+        if now != last:
+            last, since = now, trio.current_time()
+        return trio.current_time() - since >= quiet
+
+    await wait_until(still, timeout=20)
+    return last

@@ -24,6 +24,7 @@ from grpclib.exceptions import StreamTerminatedError
 from openengine.v1 import generation_pb2
 from sidecar.engine import EngineClient, EngineClientConfig, open_engine_client, parse_endpoint
 from sidecar.errors import DynamoErrorKind, EngineRpcError, GrpcCode
+from tests.helpers.waits import wait_until
 
 from .conftest import connected_client
 from .grpcio_engine import GrpcioEngine, grpcio_engine
@@ -67,12 +68,6 @@ async def stream(client: EngineClient, rid: str, max_tokens: int, outcome: Outco
 def episode(client: EngineClient) -> tuple[str | None, int]:
     """Why the engine is going away, and how many connections still drain."""
     return client.going_away, client.draining_connections
-
-
-async def wait_until(predicate: object, timeout_s: float = 20.0) -> None:
-    with trio.fail_after(timeout_s):
-        while not predicate():  # type: ignore[operator]
-            await trio.sleep(0.005)
 
 
 async def run_streams_and_stop(
@@ -159,9 +154,9 @@ async def test_a_call_parked_at_the_stream_limit_is_retried_on_a_fresh_connectio
                     nursery.start_soon(stream, client, "first", 60, first)
                     await wait_until(lambda: first.tokens >= 1)
                     nursery.start_soon(stream, client, "parked", 3, parked)
-                    await trio.sleep(0.2)
+                    await trio.sleep(0.2)  # not a synchronisation: a negative check, time for a wrong start to show
                     assert parked.tokens == 0, "the second stream should wait for a slot"
-                    await wait_until(lambda: parked.tokens == 3, timeout_s=30)
+                    await wait_until(lambda: parked.tokens == 3, timeout=30)
                     # ... long before the first stream ends: it did not wait for the slot on the old connection.
                     assert first.finish_reason is None
                 assert (first.tokens, first.error, parked.error) == (60, None, None)
@@ -174,7 +169,7 @@ async def test_idle_connections_close_at_once_on_goaway(edge: Edge) -> None:
             client.on_going_away(heard.append)
             engine.stop(5.0)
             await wait_until(lambda: client.going_away is not None)
-            await trio.sleep(0.2)
+            await trio.sleep(0.2)  # not a synchronisation: a negative check, the other connections' GOAWAYs arrive
             assert len(heard) == 1, "one episode, however many of the 3 connections heard it"
             start = trio.current_time()
             await client.wait_drained()
@@ -194,7 +189,8 @@ async def test_wait_drained_closes_connections_the_engine_keeps_open(edge: Edge)
                 await wait_until(lambda: outcome.tokens >= 1)
                 engine.stop(60.0)  # a grace far longer than we are prepared to wait
                 await wait_until(lambda: client.going_away is not None)
-                await trio.sleep(0.2)  # the GOAWAY of the stream's connection, sent with the Control one
+                # The GOAWAY of the stream's connection, sent with the Control one.
+                await wait_until(lambda: client.draining_connections >= 1, timeout=10)
                 start = trio.current_time()
                 await client.wait_drained(timeout_s=0.5)
                 assert trio.current_time() - start < 5

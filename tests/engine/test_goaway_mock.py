@@ -12,6 +12,7 @@ import trio
 from openengine.v1 import generation_pb2
 from sidecar.edge import Edge
 from sidecar.engine import EngineClientConfig, open_engine_client
+from tests.helpers.waits import wait_until
 
 from .conftest import start_mock
 from .test_client_mock import collect, flat, make_request
@@ -32,18 +33,20 @@ async def test_open_streams_run_to_their_end_after_the_engines_goaway(edge: Edge
             await client.wait_connected(trio.current_time() + 20)
             async with trio.open_nursery() as nursery:
 
-                async def one() -> None:
-                    results.append(flat(await collect(client, make_request(max_tokens=TOKENS))))
+                async def one(batches: list[list[generation_pb2.GenerateResponse]]) -> None:
+                    results.append(flat(await collect(client, make_request(max_tokens=TOKENS), into=batches)))
 
-                for _ in range(STREAMS):
-                    nursery.start_soon(one)
-                with trio.fail_after(20):
-                    while (await client.get_load()).running_requests != STREAMS:
-                        await trio.sleep(0.01)
-                await trio.sleep(0.2)  # ~10 tokens in
+                progress: list[list[list[generation_pb2.GenerateResponse]]] = [[] for _ in range(STREAMS)]
+                for batches in progress:
+                    nursery.start_soon(one, batches)
+                # The engine stops with every stream ~10 tokens in.
+                await wait_until(lambda: all(_tokens(flat(b)) >= 10 for b in progress), timeout=20)
                 os.kill(mock.process.pid, signal.SIGTERM)
     assert len(results) == STREAMS
     for messages in results:
-        tokens = [t for m in messages if m.WhichOneof("event") == "token" for t in m.token.tokens]
-        assert len(tokens) == TOKENS
+        assert _tokens(messages) == TOKENS
         assert messages[-1].finished.reason == generation_pb2.FINISH_REASON_LENGTH
+
+
+def _tokens(messages: list[generation_pb2.GenerateResponse]) -> int:
+    return sum(len(m.token.tokens) for m in messages if m.WhichOneof("event") == "token")

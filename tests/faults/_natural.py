@@ -13,6 +13,7 @@ import httpx
 import trio
 
 from tests.helpers.stack import MODEL, Engine, Worker, metric_sum, mock_stats, wait_engine_idle
+from tests.helpers.waits import wait_until
 
 ENDED = "openengine_sidecar_requests_ended_total"
 ABORTS = "openengine_sidecar_aborts_total"
@@ -102,8 +103,12 @@ async def natural_stops(url: str, engine: Engine, worker: Worker, *, eos: int, s
     stats_before = await mock_stats(engine.address)
     answers = await run_all(url, bodies, concurrency=16)
     await wait_engine_idle(engine.address, timeout=10)
-    await trio.sleep(1.0)  # the last requests' ends reach the metrics
-    after = await worker_metrics(worker.system_url)
+
+    async def every_end_counted() -> str:
+        text = await worker_metrics(worker.system_url)
+        return text if metric_sum(text, ENDED) - metric_sum(before, ENDED) >= len(bodies) else ""
+
+    after = await wait_until(every_end_counted, timeout=10, what="the last requests' ends in the metrics")
     stats_after = await mock_stats(engine.address)
 
     def delta(name: str, **labels: str) -> float:

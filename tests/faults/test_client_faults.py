@@ -7,6 +7,7 @@ import statistics
 import time
 from contextlib import suppress
 from functools import partial
+from typing import Any
 
 import httpx
 import pytest
@@ -22,6 +23,7 @@ from tests.helpers.stack import (
     wait_engine_idle,
     wait_routable,
 )
+from tests.helpers.waits import wait_until
 
 from ._client import stream_completion
 
@@ -67,9 +69,7 @@ async def test_a_disconnect_during_prefill_releases_the_engine_request(
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(partial(_stream_then_drop, frontend.url, _body(50, long_prompt), after_events=0))
                 # Prefill of ~400 tokens at 200 tokens/s takes ~2 s: drop the client in the middle of it.
-                with trio.fail_after(10):
-                    while (await engine_load(engine.address)).running_requests != 1:
-                        await trio.sleep(0.01)
+                await wait_until(lambda: _running(engine.address, 1), timeout=10)
                 stats = await mock_stats(engine.address)  # TensorRT-LLM's GetLoad does not say
                 assert stats["prefilling_requests"] == 1, "still in prefill when the client leaves"
                 nursery.cancel_scope.cancel()
@@ -91,14 +91,15 @@ async def test_a_disconnect_mid_decode_reaches_the_engine_within_50_ms(
             for _ in range(5):
                 await _stream_then_drop(frontend.url, _body(500), after_events=3)
                 closed = time.monotonic()
-                with trio.fail_after(1.0):
-                    while (await engine_load(engine.address)).running_requests != 0:
-                        await trio.sleep(0.002)
+                await wait_until(lambda: _running(engine.address, 0), timeout=1.0, interval=0.002)
                 delays.append(time.monotonic() - closed)
             # Each disconnect also sent Control.Abort (a reset stream alone would release the mock's request too).
-            with trio.fail_after(10):
-                while (stats := await mock_stats(engine.address)).get("aborts_by_request_id", 0) < 5:
-                    await trio.sleep(0.05)
+
+            async def five_aborts() -> dict[str, Any]:
+                stats = await mock_stats(engine.address)
+                return stats if stats.get("aborts_by_request_id", 0) >= 5 else {}
+
+            stats = await wait_until(five_aborts, timeout=10, interval=0.05)
             assert stats["aborts_received"] == 5, stats
     print(f"disconnect → engine released: {[round(d * 1000, 1) for d in delays]} ms")
     assert statistics.median(delays) < 0.050, delays
@@ -152,9 +153,11 @@ async def test_the_frontend_going_away_mid_stream_releases_the_engine(
                         await stream_completion(frontend.url, "The river", max_tokens=500)
 
                 nursery.start_soon(stream)
-                with trio.fail_after(10):
-                    while (await engine_load(engine.address)).running_requests != 1:
-                        await trio.sleep(0.01)
+                await wait_until(lambda: _running(engine.address, 1), timeout=10)
                 frontend.process.proc.kill()
             await wait_engine_idle(engine.address, timeout=5.0)
             assert worker.process.returncode is None, "the worker outlives its frontend"
+
+
+async def _running(address: str, count: int) -> bool:
+    return (await engine_load(address)).running_requests == count

@@ -12,6 +12,7 @@ import trio
 
 from tests.helpers.processes import DynamoEnv, Frontend, list_models
 from tests.helpers.stack import MODEL, engine_load, start_engine, start_sidecar, wait_engine_idle, wait_routable
+from tests.helpers.waits import wait_until
 
 from ._client import Outcome, stream_many
 
@@ -19,9 +20,11 @@ pytestmark = pytest.mark.e2e
 
 
 async def _deregistered_after(url: str, since: float, timeout: float = 5.0) -> float:
-    with trio.fail_after(timeout):
-        while MODEL in await list_models(url):
-            await trio.sleep(0.01)
+
+    async def gone() -> bool:
+        return MODEL not in await list_models(url)
+
+    await wait_until(gone, timeout=timeout, what=f"{MODEL} unlisted")
     return time.monotonic() - since
 
 
@@ -37,9 +40,7 @@ async def test_sigterm_with_64_streams_in_flight_lets_all_finish_and_exits_0(
             await wait_routable(frontend.url, workers=1)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(partial(stream_many, frontend.url, 64, outcomes, max_tokens=150, timeout=90))
-                with trio.fail_after(20):
-                    while (await _engine_running(engine.address)) < 64:
-                        await trio.sleep(0.02)
+                await wait_until(lambda: _running_at_least(engine.address, 64), timeout=20, interval=0.02)
                 sent = time.monotonic()
                 worker.process.signal(signal.SIGTERM)
                 deregistered = await _deregistered_after(frontend.url, sent)
@@ -70,9 +71,7 @@ async def test_a_short_drain_deadline_gives_stragglers_a_migratable_error(
             await wait_routable(frontend.url, workers=1)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(partial(stream_many, frontend.url, 8, outcomes, max_tokens=2000, timeout=90))
-                with trio.fail_after(20):
-                    while (await _engine_running(engine.address)) < 8:
-                        await trio.sleep(0.02)
+                await wait_until(lambda: _running_at_least(engine.address, 8), timeout=20, interval=0.02)
                 worker.process.signal(signal.SIGTERM)
             with trio.fail_after(30):
                 assert await worker.process.proc.wait() == 0
@@ -93,9 +92,7 @@ async def test_a_second_sigterm_forces_a_fast_but_clean_exit(dynamo_env: DynamoE
             await wait_routable(frontend.url, workers=1)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(partial(stream_many, frontend.url, 4, outcomes, max_tokens=2000, timeout=90))
-                with trio.fail_after(20):
-                    while (await _engine_running(engine.address)) < 4:
-                        await trio.sleep(0.02)
+                await wait_until(lambda: _running_at_least(engine.address, 4), timeout=20, interval=0.02)
                 worker.process.signal(signal.SIGTERM)
                 await worker.process.wait_for_log(r"serving -> draining", timeout=5)
                 second = time.monotonic()
@@ -111,3 +108,7 @@ async def test_a_second_sigterm_forces_a_fast_but_clean_exit(dynamo_env: DynamoE
 
 async def _engine_running(address: str) -> int:
     return (await engine_load(address)).running_requests or 0
+
+
+async def _running_at_least(address: str, count: int) -> bool:
+    return await _engine_running(address) >= count

@@ -8,7 +8,8 @@ import pytest
 import trio
 
 from tests.helpers.processes import DynamoEnv, Frontend, free_port
-from tests.helpers.stack import start_engine, start_sidecar, wait_engine_idle, wait_routable
+from tests.helpers.stack import engine_load, start_engine, start_sidecar, wait_engine_idle, wait_routable
+from tests.helpers.waits import wait_until
 
 from ._client import Outcome, stream_completion
 
@@ -44,7 +45,7 @@ async def test_an_engine_killed_mid_stream_fails_the_request_and_the_worker_reco
                     outcome.append(await stream_completion(frontend.url, "The river", max_tokens=400))
 
                 nursery.start_soon(long_request)
-                await trio.sleep(1.0)
+                await wait_until(lambda: _running_at_least(1, engine.address), timeout=20)  # the request is streaming
                 engine.process.proc.kill()
             assert outcome[0].failed_cleanly, outcome[0]
             await worker.process.wait_for_log(r"serving -> reconnecting", timeout=10)
@@ -83,7 +84,8 @@ async def test_with_two_workers_a_killed_engines_requests_complete_on_the_other(
 
                 for _ in range(4):
                     nursery.start_soon(request)
-                await trio.sleep(1.0)
+                # All four stream, spread over both engines.
+                await wait_until(lambda: _running_at_least(4, engine_a.address, engine_b.address), timeout=20)
                 engine_a.process.proc.kill()
             assert len(outcomes) == 4
             assert all(o.succeeded and o.completion_tokens == 120 for o in outcomes), outcomes
@@ -107,9 +109,7 @@ async def test_a_hung_engine_request_fails_after_the_inactivity_timeout_and_is_a
             # Nothing came from the engine for the timeout: the worker withdrew, and serves again once a canary
             # generation is answered (only the prompted request hangs).
             await worker.process.wait_for_log(r"canary generation answered", timeout=20)
-            with trio.fail_after(20):
-                while not (await stream_completion(frontend.url, "The river", max_tokens=4)).succeeded:
-                    await trio.sleep(0.1)
+            await wait_until(lambda: _answers(frontend.url), timeout=20, interval=0.1)
 
 
 async def test_a_non_retryable_engine_error_mid_stream_is_an_error_for_the_client(
@@ -199,9 +199,7 @@ async def test_an_unhealthy_engine_degrades_the_worker_and_recovery_reregisters_
             assert refused.failed_cleanly, refused
             engine.process.signal(signal.SIGUSR1)
             await worker.process.wait_for_log(r"degraded -> registering", timeout=10)
-            with trio.fail_after(10):
-                while not (await stream_completion(frontend.url, "The river", max_tokens=4)).succeeded:
-                    await trio.sleep(0.1)
+            await wait_until(lambda: _answers(frontend.url), timeout=10, interval=0.1)
 
 
 async def test_an_engine_whose_health_lags_while_tokens_flow_is_busy_not_lost(
@@ -231,3 +229,11 @@ async def test_an_engine_whose_health_lags_while_tokens_flow_is_busy_not_lost(
             assert "busy, not lost" in during
             assert "serving -> reconnecting" not in during
             await worker.process.wait_for_log(r"serving -> reconnecting", timeout=15, start=len(worker.process.log()))
+
+
+async def _running_at_least(count: int, *addresses: str) -> bool:
+    return sum([(await engine_load(address)).running_requests or 0 for address in addresses]) >= count
+
+
+async def _answers(url: str) -> bool:
+    return (await stream_completion(url, "The river", max_tokens=4)).succeeded

@@ -12,6 +12,7 @@ import trio
 
 from tests.helpers.processes import DynamoEnv, Frontend
 from tests.helpers.stack import dump_logs, engine_load, mock_stats, start_engine, start_sidecar, wait_routable
+from tests.helpers.waits import wait_until
 
 from ._client import Outcome, stream_many
 
@@ -34,10 +35,9 @@ async def test_requests_in_flight_complete_when_the_engine_stops_gracefully(
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(partial(stream_many, frontend.url, STREAMS, outcomes, max_tokens=TOKENS))
-                    with trio.fail_after(20):
-                        while (await engine_load(engine.address)).running_requests != STREAMS:
-                            await trio.sleep(0.01)
-                    await trio.sleep(0.2)  # ~10 tokens into each stream (20 ms per token)
+                    await wait_until(lambda: _all_running(engine.address), timeout=20)
+                    # Not a synchronisation: the stop is placed ~10 tokens into each running stream (20 ms a token).
+                    await trio.sleep(0.2)
                     served = await mock_stats(engine.address)
                     engine.process.signal(signal.SIGTERM)
             except BaseException:
@@ -47,3 +47,7 @@ async def test_requests_in_flight_complete_when_the_engine_stops_gracefully(
     assert served.get("requests", 0) >= STREAMS
     assert len(outcomes) == STREAMS
     assert all(o.succeeded and o.completion_tokens == TOKENS for o in outcomes), outcomes
+
+
+async def _all_running(address: str) -> bool:
+    return (await engine_load(address)).running_requests == STREAMS

@@ -18,6 +18,7 @@ import trio
 from tests.helpers.pki import Pki, ahead
 from tests.helpers.processes import DynamoEnv, Frontend, free_low_port, free_port, start_process
 from tests.helpers.stack import MODEL, MODEL_DIR, start_engine, start_sidecar, wait_routable
+from tests.helpers.waits import wait_until
 
 from ._client import Outcome, stream_completion
 
@@ -49,9 +50,7 @@ async def test_in_flight_requests_finish_across_the_engines_graceful_stop(
                         nursery.start_soon(
                             partial(stream_completion, frontend.url, f"Story {i}", max_tokens=40, into=outcome)
                         )
-                    with trio.fail_after(60):
-                        while min(len(o.pieces) for o in outcomes) < 10:
-                            await trio.sleep(0.005)
+                    await wait_until(lambda: min(len(o.pieces) for o in outcomes) >= 10, timeout=60, interval=0.005)
                     engine.process.signal(signal.SIGTERM)
                     await worker.process.wait_for_log(r"serving -> degraded.*going away", timeout=10)
                 # Tokens by the usage: under load the worker merges the chunks Dynamo has not taken yet
@@ -115,6 +114,7 @@ async def test_a_rotated_short_lived_client_certificate_lets_the_worker_serve_ag
             engine.process.proc.kill()
             await engine.process.wait(timeout=10)
             await worker.process.wait_for_log(r"serving -> reconnecting", timeout=20)
+            # Not a synchronisation: what is awaited is time itself, the certificate's expiry.
             await trio.sleep(max(0.0, expires_at - time.monotonic()) + 1.0)
             pki.write_client()  # cert-manager renews the certificate in place
             async with start_engine(dynamo_env, "--speedup", "0", *mock_tls, port=port, name="engine-restarted"):

@@ -19,6 +19,7 @@ import trio
 
 from tests.helpers.processes import DynamoEnv, Frontend
 from tests.helpers.stack import metric_sum, mock_stats, start_engine, start_sidecar, wait_routable
+from tests.helpers.waits import wait_until
 
 from ._natural import PROMPTS, natural_stops, run_all, worker_metrics
 
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.e2e
 # ------------------------------------------------------------------- item 1: a complete answer is a finish
 
 
+@pytest.mark.timeout(720)  # its own bound plus two minutes for the processes around it
 async def test_two_hundred_natural_stops_with_a_split_finish_are_finishes_without_aborts(
     dynamo_env: DynamoEnv, frontend: Frontend
 ) -> None:
@@ -49,6 +51,7 @@ def detokenized(stats: dict[str, Any]) -> int:
     return sum(int(v) for k, v in stats.items() if "detoken" in k and isinstance(v, int | float))
 
 
+@pytest.mark.timeout(420)  # its own bound plus two minutes for the processes around it
 async def test_tensorrt_llm_is_asked_not_to_detokenize_and_the_output_is_the_same(
     dynamo_env: DynamoEnv, frontend: Frontend
 ) -> None:
@@ -84,15 +87,18 @@ async def test_tensorrt_llm_is_asked_not_to_detokenize_and_the_output_is_the_sam
 
 async def wait_routable_gone(url: str, timeout: float = 30.0) -> None:
     """Wait until the frontend no longer lists an instance (the previous worker drained)."""
-    with trio.fail_after(timeout):
-        async with httpx.AsyncClient(timeout=10) as http:
-            while (await http.get(f"{url}/health")).json().get("instances"):
-                await trio.sleep(0.1)
+    async with httpx.AsyncClient(timeout=10) as http:
+
+        async def gone() -> bool:
+            return not (await http.get(f"{url}/health")).json().get("instances")
+
+        await wait_until(gone, timeout=timeout, interval=0.1, what="no instance listed")
 
 
 # ------------------------------------------------------------------- item 7: load without KV usage in GetLoad
 
 
+@pytest.mark.timeout(420)  # its own bound plus two minutes for the processes around it
 async def test_an_engine_without_kv_usage_still_gets_load_published(dynamo_env: DynamoEnv, frontend: Frontend) -> None:
     """Failed before: nothing was published (`no_kv_usage` rejected every poll, a warning every minute)."""
     bodies = [{"prompt": f"{PROMPTS[i % 6]} {i}", "max_tokens": 200, "ignore_eos": True} for i in range(6)]
@@ -106,7 +112,7 @@ async def test_an_engine_without_kv_usage_still_gets_load_published(dynamo_env: 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(run_all, frontend.url, bodies, 6)
                 for _ in range(20):
-                    await trio.sleep(0.2)
+                    await trio.sleep(0.2)  # not a synchronisation: the sampling period of the load series
                     page = await worker_metrics(worker.system_url)
                     used.append(metric_sum(page, "openengine_sidecar_engine_kv_blocks", kind="used"))
             page = await worker_metrics(worker.system_url)

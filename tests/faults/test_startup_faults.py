@@ -14,6 +14,7 @@ import trustme
 
 from tests.helpers.processes import DynamoEnv, Frontend, free_port
 from tests.helpers.stack import start_engine, start_sidecar, wait_engine_idle, wait_routable
+from tests.helpers.waits import wait_until
 
 from ._client import Outcome, stream_completion
 
@@ -26,7 +27,7 @@ async def test_a_worker_started_before_its_engine_waits_then_serves(dynamo_env: 
     port = free_port()
     with trio.fail_after(90):
         async with start_sidecar(dynamo_env, f"127.0.0.1:{port}", *FAST, ready=None) as worker:
-            await trio.sleep(1.5)
+            await trio.sleep(1.5)  # not a synchronisation: a negative check, no engine for a while
             assert worker.process.returncode is None
             assert "-> serving" not in worker.process.log()
             async with start_engine(dynamo_env, "--speedup", "0", port=port):
@@ -131,10 +132,10 @@ async def test_a_deleted_discovery_entry_is_restored_under_load(dynamo_env: Dyna
                 async def load() -> None:
                     for _ in range(40):
                         outcomes.append(await stream_completion(frontend.url, "The river", max_tokens=8))
-                        await trio.sleep(0.05)
+                        await trio.sleep(0.05)  # not a synchronisation: the load's pace
 
                 nursery.start_soon(load)
-                await trio.sleep(0.5)
+                await wait_until(lambda: len(outcomes) >= 2, timeout=30)  # the load runs
                 removed = _remove_instance_files(dynamo_env.file_kv)
                 assert removed, "found no discovery entries to delete"
                 await worker.process.wait_for_log(r"registration disappeared; publishing it again", timeout=10)

@@ -22,6 +22,7 @@ from tests.helpers.stack import (
     wait_engine_idle,
     wait_routable,
 )
+from tests.helpers.waits import wait_until
 
 from ._client import Outcome, stream_completion
 from ._natural import natural_stops
@@ -45,6 +46,7 @@ async def aborts_sent(url: str) -> float:
 # -------------------------------------------------------------------- item 1: a complete answer is a finish
 
 
+@pytest.mark.timeout(720)  # its own bound plus two minutes for the processes around it
 async def test_two_hundred_natural_stops_are_finishes_without_aborts(dynamo_env: DynamoEnv, frontend: Frontend) -> None:
     """120 greedy answers end at EOS, 80 at the stop string " the" (10 ms per token, 16 at a time). Failed before:
     44 of the 200 were counted cancelled, each with an Abort -- the engine's last token reached the frontend in a
@@ -116,10 +118,12 @@ async def test_a_client_disconnect_mid_stream_is_exactly_one_abort_and_a_complet
                     if seen >= 3:
                         break
             await wait_engine_idle(engine.address, timeout=3)
-            with trio.fail_after(5):
-                while await aborts_sent(worker.system_url) < before + 1:
-                    await trio.sleep(0.05)
-            await trio.sleep(0.5)
+
+            async def one_abort() -> bool:
+                return await aborts_sent(worker.system_url) >= before + 1
+
+            await wait_until(one_abort, timeout=5, interval=0.05)
+            await trio.sleep(0.5)  # not a synchronisation: a negative check, time for a second Abort to show
             assert await aborts_sent(worker.system_url) == before + 1, "exactly one Abort for the disconnect"
 
 
@@ -158,9 +162,11 @@ async def test_with_one_worker_a_hung_engine_costs_one_timeout_then_a_503(
             # The engine serves other requests: the canary generation succeeds and the worker is back.
             await worker.process.wait_for_log(r"canary generation answered", timeout=20)
             await worker.process.wait_for_log(r"degraded -> registering", timeout=20)
-            with trio.fail_after(20):
-                while not (await stream_completion(frontend.url, "The river", max_tokens=4)).succeeded:
-                    await trio.sleep(0.2)
+
+            async def answers() -> bool:
+                return (await stream_completion(frontend.url, "The river", max_tokens=4)).succeeded
+
+            await wait_until(answers, timeout=20, interval=0.2)
             await wait_engine_idle(engine.address, timeout=5)
 
 
@@ -183,6 +189,7 @@ async def guided(url: str) -> httpx.Response:
 NO_GUIDED = ("--capability", "guided=false")
 
 
+@pytest.mark.timeout(360)  # its own bound plus two minutes for the processes around it
 async def test_an_engine_restarted_within_a_second_with_guided_added_then_removed_is_rediscovered(
     dynamo_env: DynamoEnv, frontend: Frontend
 ) -> None:

@@ -5,6 +5,10 @@
 * a restarted engine is noticed even when the restart is quick (a new instance id from GetLoad, or a lost
   connection and an engine that answers as someone else): rediscovery, card registered again before routing resumes;
 * after a long outage the worker serves within 2 s of the engine answering again.
+
+Every sleep here runs in virtual time (``autojump_clock``): it moves the clock to where the test wants it (an outage
+of 40 s, a few watchdog periods) or paces the in-memory engine, deterministically; none waits for another thread or
+process. Conditions are awaited with :func:`tests.helpers.waits.wait_until` (virtual time too).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from sidecar.kv._load import poll_load
 from sidecar.requests import HungEngine
 from sidecar.worker import Worker
 from statemachines import WORKER, WorkerLifecycle
+from tests.helpers.waits import wait_until
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "sidecar" / "testing" / "mock" / "model"
 Clock = trio.testing.MockClock
@@ -282,9 +287,7 @@ def state(worker: Worker) -> str:
 
 
 async def wait_state(worker: Worker, target: str, within: float) -> None:
-    with trio.fail_after(within):
-        while state(worker) != target:
-            await trio.sleep(0.05)
+    await wait_until(lambda: state(worker) == target, timeout=within, interval=0.05, what=f"the worker {target}")
 
 
 def body(**sampling: Any) -> dict[str, Any]:
@@ -598,7 +601,7 @@ async def test_a_stalled_prefill_engine_is_probed_the_way_its_role_allows_and_th
     """Found by ``bench.chaos`` (a prefill engine paused past the inactivity timeout): the stall canary was a plain
     generation, which an engine serving the prefill role refuses (FAILED_PRECONDITION), so the worker stayed
     withdrawn for good. The canary of a prefill or decode engine is Health's inference probe, role-appropriate by the
-    schema (``openengine-wire-v0.1.0.md`` §7.10); failed before: still degraded after 60 s."""
+    schema (OpenEngine v0.1.0's ``Health`` rules); failed before: still degraded after 60 s."""
     engine, dynamo = PrefillEngine(), Dynamo()
     worker = await serving_worker(engine, dynamo, "--request-inactivity-timeout-secs", "5")
     assert worker.requests.serving is not None

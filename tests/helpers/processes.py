@@ -32,6 +32,8 @@ from pathlib import Path
 import httpx
 import trio
 
+from .waits import WaitTimeout, wait_until
+
 #: How often log files and HTTP endpoints are polled while waiting.
 POLL_INTERVAL = 0.02
 
@@ -106,7 +108,8 @@ def dump_log_tails(root: Path, lines: int) -> None:
 
 
 def base_env(root: Path) -> dict[str, str]:
-    """Loopback-only Dynamo variables rooted in ``root`` (see ``dynamo-runtime.md`` §2)."""
+    """Loopback-only Dynamo variables rooted in ``root``: Dynamo 1.6.1 without etcd and NATS (discovery in files,
+    requests over TCP, events over ZMQ)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DYN_", "HF_"))}
     home = root / "home"
     home.mkdir(parents=True, exist_ok=True)
@@ -172,18 +175,22 @@ class Process:
     async def wait_for_log(self, pattern: str, timeout: float, *, start: int = 0) -> re.Match[str]:
         """Wait until ``pattern`` (a regex) appears in the log after character offset ``start``."""
         regex = re.compile(pattern, re.MULTILINE)
-        with trio.move_on_after(timeout):
-            while True:
-                match = regex.search(self.log(), start)
-                if match:
-                    return match
-                if self.proc.poll() is not None:
-                    match = regex.search(self.log(), start)
-                    if match:
-                        return match
-                    raise ProcessExited(self, f"exited with {self.proc.returncode} before {pattern!r}")
-                await trio.sleep(POLL_INTERVAL)
-        raise TimeoutError(f"{self.argv[:3]}: {pattern!r} not seen in {timeout} s; log tail:\n{self.log_tail()}")
+
+        def seen() -> re.Match[str] | None:
+            exited = self.proc.poll() is not None  # read before the log: a last line written on exit is seen
+            match = regex.search(self.log(), start)
+            if match is None and exited:
+                raise ProcessExited(self, f"exited with {self.proc.returncode} before {pattern!r}")
+            return match
+
+        try:
+            match = await wait_until(seen, timeout=timeout, interval=POLL_INTERVAL)
+            assert match is not None  # wait_until returns only a truthy value
+            return match
+        except WaitTimeout:
+            raise TimeoutError(
+                f"{self.argv[:3]}: {pattern!r} not seen in {timeout} s; log tail:\n{self.log_tail()}"
+            ) from None
 
     async def send_line(self, line: str) -> None:
         """Write one line to the process's stdin (started with ``stdin=True``)."""
@@ -269,13 +276,21 @@ async def start_process(
         if isinstance(ready, str):
             await process.wait_for_log(ready, ready_timeout)
         elif ready is not None:
-            with trio.move_on_after(ready_timeout) as scope:
-                while not await ready(process):
-                    if proc.poll() is not None:
-                        raise ProcessExited(process, f"exited with {proc.returncode} before it was ready")
-                    await trio.sleep(POLL_INTERVAL)
-            if scope.cancelled_caught:
-                raise TimeoutError(f"{argv[:3]} not ready in {ready_timeout} s; log tail:\n{process.log_tail()}")
+            probe = ready
+
+            async def is_ready() -> bool:
+                if await probe(process):
+                    return True
+                if proc.poll() is not None:
+                    raise ProcessExited(process, f"exited with {proc.returncode} before it was ready")
+                return False
+
+            try:
+                await wait_until(is_ready, timeout=ready_timeout, interval=POLL_INTERVAL)
+            except WaitTimeout:
+                raise TimeoutError(
+                    f"{argv[:3]} not ready in {ready_timeout} s; log tail:\n{process.log_tail()}"
+                ) from None
         yield process
     finally:
         await stop_process(process, grace=stop_grace)
@@ -307,16 +322,35 @@ async def list_models(url: str) -> list[str]:
 async def wait_for_model(url: str, name: str, timeout: float, *, present: bool = True) -> float:
     """Wait until ``name`` is listed (``present``) or gone from the frontend at ``url``; returns the seconds waited."""
     start = time.monotonic()
-    with trio.move_on_after(timeout):
-        while True:
-            try:
-                if (name in await list_models(url)) is present:
-                    return time.monotonic() - start
-            except httpx.HTTPError:
-                pass
-            await trio.sleep(POLL_INTERVAL)
+
+    async def listed() -> bool:
+        return (name in await list_models(url)) is present
+
     state = "listed" if present else "gone"
-    raise TimeoutError(f"model {name!r} not {state} at {url} within {timeout} s")
+    what = f"model {name!r} {state} at {url}"
+    await wait_until(listed, timeout=timeout, interval=POLL_INTERVAL, what=what, retry_on=(httpx.HTTPError,))
+    return time.monotonic() - start
+
+
+async def frontend_instances(url: str, endpoint: str = "generate") -> list[int]:
+    """Instance ids the frontend's ``/health`` lists for ``endpoint`` (what its router can route to)."""
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        health = (await client.get(f"{url}/health")).json()
+    return [int(i["instance_id"]) for i in health.get("instances", []) if i.get("endpoint") == endpoint]
+
+
+async def wait_for_instances(url: str, count: int, timeout: float) -> list[int]:
+    """Wait until the frontend at ``url`` knows ``count`` generate instances (or more); returns their ids.
+
+    A worker's model being listed does not mean the frontend knows every instance yet: a request sent in between may
+    only reach the first."""
+
+    async def known() -> list[int]:
+        ids = await frontend_instances(url)
+        return ids if len(ids) >= count else []
+
+    what = f"{count} instances known to the frontend at {url}"
+    return await wait_until(known, timeout=timeout, what=what, retry_on=(httpx.HTTPError, ValueError))
 
 
 # --- the frontend ------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from sidecar.edge import open_edge
 from sidecar.engine import EngineClientConfig, open_engine_client, parse_endpoint
 
 from .processes import DynamoEnv, Frontend, Process, dump_log_tails, free_low_port, start_process
+from .waits import wait_until
 
 MODEL = "tiny-oe"
 MODEL_DIR = Path(__file__).resolve().parents[2] / "sidecar" / "testing" / "mock" / "model"
@@ -69,12 +70,13 @@ async def running_requests(address: str) -> int:
 async def wait_engine_idle(address: str, timeout: float) -> float:
     """Poll GetLoad until nothing runs or queues; returns the seconds waited (fails after ``timeout``)."""
     start = trio.current_time()
-    with trio.fail_after(timeout):
-        while True:
-            load = await engine_load(address)
-            if load.running_requests == 0 and not load.queued_requests:
-                return trio.current_time() - start
-            await trio.sleep(0.01)
+
+    async def idle() -> bool:
+        load = await engine_load(address)
+        return load.running_requests == 0 and not load.queued_requests
+
+    await wait_until(idle, timeout=timeout, what=f"engine {address} idle")
+    return trio.current_time() - start
 
 
 @asynccontextmanager
@@ -132,18 +134,16 @@ async def wait_routable(url: str, workers: int, timeout: float = 30.0) -> None:
     never reach it (they fail at the frontend), which would make a fault test pass for the wrong reason.
     """
     body = {"model": MODEL, "prompt": "warm up", "max_tokens": 1}
-    with trio.fail_after(timeout):
-        async with httpx.AsyncClient(timeout=10) as http:
-            while True:
-                try:
-                    health = (await http.get(f"{url}/health")).json()
-                    models = [m["id"] for m in (await http.get(f"{url}/v1/models")).json().get("data", [])]
-                    listed = len(health.get("instances", [])) >= workers and MODEL in models
-                    if listed and (await http.post(f"{url}/v1/completions", json=body)).status_code == 200:
-                        return
-                except (httpx.HTTPError, ValueError):
-                    pass
-                await trio.sleep(0.05)
+    async with httpx.AsyncClient(timeout=10) as http:
+
+        async def routable() -> bool:
+            health = (await http.get(f"{url}/health")).json()
+            models = [m["id"] for m in (await http.get(f"{url}/v1/models")).json().get("data", [])]
+            listed = len(health.get("instances", [])) >= workers and MODEL in models
+            return listed and (await http.post(f"{url}/v1/completions", json=body)).status_code == 200
+
+        what = f"{MODEL} routable to {workers} workers at {url}"
+        await wait_until(routable, timeout=timeout, interval=0.05, what=what, retry_on=(httpx.HTTPError, ValueError))
 
 
 async def mock_stats(address: str) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """A throw-away Hugging Face-style model directory (tokenizer only, no weights) for the Dynamo frontend.
 
-Recipe from ``dynamo-runtime.md`` §8: a byte-level BPE trained on a few sentences plus the JSON files the
+The recipe: a byte-level BPE trained on a few sentences plus the JSON files the
 frontend reads. Used until ``sidecar/testing/mock/model/`` (the committed tiny model) exists.
 """
 

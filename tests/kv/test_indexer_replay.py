@@ -21,6 +21,7 @@ from openengine.v1 import generation_pb2
 from sidecar.engine import EngineClient
 from sidecar.kv import RoutingConfig, run_routing_signals
 from sidecar.testing.mock.kvcache import BlockPool, BlockRemoved, KvEvent, block_hash, prompt_block_hashes
+from tests.helpers.waits import wait_until
 
 from .dynamo_stack import engine_blocks, engine_with_plan, loopback_dynamo, registered_worker
 from .mock_traffic import BS, prompt
@@ -93,9 +94,11 @@ async def test_the_repro_leaves_dynamos_indexer_without_warnings(
                 for i in range(total_blocks // 8):
                     await run(client, f"fill{i}", fill_prompt(i), max_tokens=16, seed=i)
                 assert not set(prompt_block_hashes(shared, BS)) & await engine_blocks(client)
-                with trio.fail_after(10):
-                    while len(subscription.index) != len(await engine_blocks(client)):
-                        await trio.sleep(0.05)
+
+                async def index_matches_engine() -> bool:
+                    return len(subscription.index) == len(await engine_blocks(client))
+
+                await wait_until(index_matches_engine, timeout=10, interval=0.05)
                 nursery.cancel_scope.cancel()
     logged = capfd.readouterr()
     text = logged.out + logged.err

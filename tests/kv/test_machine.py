@@ -40,31 +40,3 @@ def test_the_diagram_in_kv_events_doc_matches_the_tables() -> None:
     doc = (ROOT / "docs" / "kv-events.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```mermaid\n(.*?)\n```", doc, re.DOTALL)
     assert module.mermaid(KV_SUBSCRIPTION) in blocks, "docs/kv-events.md: refresh the diagram from the tables"
-
-
-def _imports(path: Path) -> set[str]:
-    """Every absolute module imported by ``path``, with each of its parent packages."""
-    import ast
-
-    modules: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            modules.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            modules.add(node.module)
-    return {".".join(m.split(".")[: i + 1]) for m in modules for i in range(m.count(".") + 1)}
-
-
-def test_the_kv_room_keeps_its_imports() -> None:
-    """architecture.md: ``sidecar/kv`` never imports asyncio, grpclib or the bindings; ``_convert`` is pure."""
-    room = ROOT / "sidecar" / "kv"
-    for source in sorted(room.glob("*.py")):
-        assert not _imports(source) & {"asyncio", "grpclib", "dynamo", "uvloop"}, source.name
-    assert not _imports(room / "_convert.py") & {
-        "trio",
-        "socket",
-        "threading",
-        "os",
-        "sidecar.dynamo",
-        "sidecar.engine",
-    }

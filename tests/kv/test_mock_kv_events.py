@@ -21,6 +21,7 @@ from sidecar.errors import EngineRpcError, GrpcCode
 from sidecar.kv._convert import decode_block_hash
 from sidecar.testing.mock.kvcache import prompt_block_hashes
 from tests.engine.conftest import start_mock
+from tests.helpers.waits import wait_until
 
 from .mock_traffic import BS, generate, prompt
 
@@ -57,9 +58,7 @@ class Reader:
             self.ended.set()
 
     async def wait(self, count: int) -> list[SubscribeKvEventsResponse]:
-        with trio.fail_after(10):
-            while len(self.messages) < count and not self.ended.is_set():
-                await trio.sleep(0.01)
+        await wait_until(lambda: len(self.messages) >= count or self.ended.is_set(), timeout=10)
         return self.messages
 
     def seqs(self) -> list[int]:
@@ -71,7 +70,9 @@ async def reading(client: EngineClient, **request: object) -> AsyncIterator[Read
     reader = Reader()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(reader.run, client, SubscribeKvEventsRequest(**request))  # type: ignore[arg-type]
-        await trio.sleep(0.2)  # subscribed before the test makes events
+        # Subscribed before the test makes events. Still a synchronisation by time: neither the stream nor the mock
+        # tells when the engine has registered the subscriber (a warm-up event would shift every sequence number).
+        await trio.sleep(0.2)
         yield reader
         nursery.cancel_scope.cancel()
 
@@ -161,7 +162,7 @@ async def test_evictions_are_removals() -> None:
         async with mock_client("--total-kv-blocks", "10") as client, reading(client) as live:
             for i in range(3):
                 await generate(client, f"r{i}", prompt(i))
-            await trio.sleep(0.2)
+            await wait_until(lambda: _removals(live), timeout=10, what="removal events")
             removed = [
                 decode_block_hash(h)
                 for m in live.messages
@@ -181,7 +182,8 @@ async def test_kv_fault_switches(kind: str) -> None:
         async with mock_client("--kv-fault", f"{kind}@2") as client, reading(client) as live:
             for i in range(3):
                 await generate(client, f"r{i}", prompt(i))
-            await trio.sleep(0.3)
+            expected = {"gap": [1, 3], "repeat": [1, 2, 2, 3]}.get(kind, [1])
+            await wait_until(lambda: live.seqs() == expected and (kind in ("gap", "repeat") or live.ended.is_set()))
             seqs = live.seqs()
             if kind == "gap":
                 assert seqs == [1, 3]
@@ -205,7 +207,7 @@ async def test_kv_fault_switches(kind: str) -> None:
             # The fault fired once: a new subscription streams normally.
             async with reading(client) as again:
                 await generate(client, "later", prompt(9))
-                await trio.sleep(0.2)
+                await wait_until(lambda: again.seqs(), timeout=10)
                 assert again.seqs() == [4]
 
 
@@ -245,3 +247,9 @@ async def test_subscriptions_the_mock_refuses(
             await refused.ended.wait()
             assert refused.error is not None
             assert refused.error.code is code
+
+
+def _removals(reader: Reader) -> bool:
+    return any(
+        m.batch is not None and any(e.block_removed is not None for e in m.batch.events) for m in reader.messages
+    )

@@ -1,4 +1,8 @@
-"""Load polling, source discovery and the signals task as a whole, against fakes, in virtual time."""
+"""Load polling, source discovery and the signals task as a whole, against fakes, in virtual time.
+
+Every sleep here is virtual (``autojump_clock``): it moves the clock past poll periods; none waits for another thread
+or process.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from sidecar.errors import EngineRpcError, GrpcCode
 from sidecar.kv import GrpcSource, RoutingConfig, RoutingPlan, ZmqSource, discover_routing, run_routing_signals
 from sidecar.kv._load import EngineIdentity, estimate_blocks, poll_load
 from sidecar.ops import metrics
+from tests.helpers.waits import wait_until
 
 from .factories import grpc_source, load, zmq_source
 from .fakes import FakeClient, ModelEngine, RecordingLoad, RecordingPublishers
@@ -240,8 +245,7 @@ async def test_signals_start_every_part_and_close_publishers(autojump_clock: tri
         assert publishers.relays == {1: ZmqSource(1, "tcp://127.0.0.1:9", "t")}
         with trio.fail_after(5):
             await signals.subscriptions[0].synced.wait()
-            while not publishers.views[0].blocks:
-                await trio.sleep(0.01)
+        await wait_until(lambda: publishers.views[0].blocks, timeout=5)
         assert list(signals.subscriptions) == [0], "only gRPC ranks are subscribed; ZMQ ranks are Dynamo's"
         assert publishers.views[0].blocks == {1: None, 2: 1}
         nursery.cancel_scope.cancel()

@@ -19,6 +19,7 @@ from sidecar.kv import RankSubscription, RoutingConfig
 from sidecar.kv._subscription import dynamo_events
 from sidecar.ops import metrics
 from statemachines import KV_SUBSCRIPTION
+from tests.helpers.waits import wait_until
 
 from .factories import BS, batch, error, removed_raw, stored
 from .fakes import HANG, DynamoView, FakeClient, ModelEngine, Step, rpc_error
@@ -29,12 +30,6 @@ CONFIG = RoutingConfig(resync_backoff_s=0.1, resync_backoff_max_s=0.4, healthy_s
 def subscription(client: FakeClient, config: RoutingConfig = CONFIG) -> tuple[RankSubscription, DynamoView]:
     view = DynamoView()
     return RankSubscription(client, view, 0, BS, config), view
-
-
-async def wait_for(condition: object, timeout: float = 60.0) -> None:
-    with trio.fail_after(timeout):
-        while not condition():  # type: ignore[operator]
-            await trio.sleep(0.01)
 
 
 def state_of(sub: RankSubscription) -> str:
@@ -55,7 +50,7 @@ async def test_batches_in_sequence_are_forwarded(autojump_clock: trio.testing.Mo
     sub, view = subscription(client)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(sub.run)
-        await wait_for(lambda: len(view.calls) == 2)
+        await wait_until(lambda: len(view.calls) == 2)
         assert sub.lifecycle.state == "streaming"
         assert view.blocks == engine.blocks == {1: None, 2: 1}
         assert view.calls[0][0]["type"] == "stored"
@@ -107,7 +102,7 @@ async def test_every_fault_resyncs_and_leaves_nothing_stale(kind: str, autojump_
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sub.run)
-            await wait_for(lambda: sub.resynced == 1 and sub.lifecycle.state == "streaming")
+            await wait_until(lambda: sub.resynced == 1 and sub.lifecycle.state == "streaming")
             assert view.blocks == engine.blocks == {1: None, 2: 1, 4: 2}
             assert 3 not in view.blocks, "the removed block is not attributed after the resync"
             assert view.unknown_removed == 0
@@ -131,7 +126,7 @@ async def test_a_refused_snapshot_is_not_asked_again(autojump_clock: trio.testin
     sub, view = subscription(client)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(sub.run)
-        await wait_for(lambda: sub.lifecycle.state == "streaming")
+        await wait_until(lambda: sub.lifecycle.state == "streaming")
         assert [r.include_snapshot for r in client.requests] == [True, False]
         assert view.blocks == {1: None}
         nursery.cancel_scope.cancel()
@@ -142,7 +137,7 @@ async def test_an_in_band_snapshot_refusal_downgrades_too(autojump_clock: trio.t
     sub, _ = subscription(client)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(sub.run)
-        await wait_for(lambda: len(client.requests) == 2)
+        await wait_until(lambda: len(client.requests) == 2)
         assert [r.include_snapshot for r in client.requests] == [True, False]
         nursery.cancel_scope.cancel()
 
@@ -164,7 +159,7 @@ async def test_backoff_doubles_up_to_the_cap(autojump_clock: trio.testing.MockCl
     async with trio.open_nursery() as nursery:
         nursery.start_soon(sub.run)
         for count in range(1, 7):
-            await wait_for(lambda count=count: len(client.requests) >= count)
+            await wait_until(lambda: len(client.requests) >= count)  # noqa: B023 (awaited within the iteration)
             stamps.append(trio.current_time())
         nursery.cancel_scope.cancel()
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
@@ -186,9 +181,9 @@ async def test_a_long_healthy_stream_resets_the_backoff(autojump_clock: trio.tes
     sub, _ = subscription(client, config)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(sub.run)
-        await wait_for(lambda: len(client.requests) == 3)
+        await wait_until(lambda: len(client.requests) == 3)
         third = trio.current_time()
-        await wait_for(lambda: len(client.requests) == 4)
+        await wait_until(lambda: len(client.requests) == 4)
         assert trio.current_time() - third <= 0.1 * 1.25, "streamed: back to the first backoff"
         nursery.cancel_scope.cancel()
 
@@ -217,7 +212,7 @@ async def test_skipped_events_are_counted_not_forwarded(autojump_clock: trio.tes
     sub, view = subscription(client)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(sub.run)
-        await wait_for(lambda: bool(view.calls))
+        await wait_until(lambda: bool(view.calls))
         nursery.cancel_scope.cancel()
     assert view.blocks == {2: None}
     after = metrics.REGISTRY.get_sample_value("openengine_sidecar_kv_events_skipped_total", {"reason": "block_size"})

@@ -14,6 +14,7 @@ from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from openengine.v1 import generation_pb2, lifecycle_pb2, openengine_grpc, server_pb2
 from sidecar.testing.mock.structs import fill_struct
+from tests.helpers.waits import wait_until
 
 T = TypeVar("T")
 
@@ -172,15 +173,14 @@ async def wait_for_load(
     channel: Channel, predicate: Callable[[server_pb2.LoadInfo], bool], *, timeout: float = 5.0
 ) -> server_pb2.LoadInfo:
     """Poll ``GetLoad`` until ``predicate`` holds (``TimeoutError`` after ``timeout``)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
+
+    async def satisfied() -> server_pb2.LoadInfo | None:
         load = await get_load(channel)
-        if predicate(load):
-            return load
-        if loop.time() > deadline:
-            raise TimeoutError(f"GetLoad never satisfied the condition; last: {load}")
-        await asyncio.sleep(0.01)
+        return load if predicate(load) else None
+
+    found = await wait_until(satisfied, timeout=timeout, what="GetLoad satisfying the condition")
+    assert found is not None
+    return found
 
 
 async def status_of(coro: Awaitable[object]) -> tuple[Status, str | None]:

@@ -52,6 +52,7 @@ class MockProcess:
                     return self.address
             if self.proc.poll() is not None:
                 raise RuntimeError(f"openengine-mock exited early ({self.proc.returncode}):\n{self.log()}")
+            # The poll interval of a synchronous fixture (wait_until is async).
             time.sleep(0.02)
         raise TimeoutError(f"openengine-mock did not listen within {timeout} s:\n{self.log()}")
 

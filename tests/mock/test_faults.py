@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 from grpclib.client import Channel
@@ -11,6 +10,7 @@ from grpclib.const import Status
 
 from openengine.v1 import error_pb2, generation_pb2, lifecycle_pb2, openengine_grpc
 from sidecar.testing.mock.lm import TinyLM
+from tests.helpers.waits import wait_until
 
 from ._client import Outcome, call, generate, make_request, new_id, wait_for_load
 from .conftest import StartMock
@@ -70,7 +70,7 @@ def test_hang_before_first_message_counts_as_running_until_cancelled(addr: str) 
     async def run(ch: Channel) -> tuple[int, int]:
         task = asyncio.create_task(generate(ch, make_request(mock={"hang_after_tokens": 0})))
         busy = await wait_for_load(ch, lambda load: load.running_requests >= 1)
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # not a synchronisation: a negative check, the hung request does not end
         assert not task.done()
         task.cancel()
         idle = await wait_for_load(ch, lambda load: load.running_requests == 0)
@@ -89,6 +89,8 @@ def test_hang_after_tokens_then_abort(addr: str) -> None:
 
         task = asyncio.create_task(generate(ch, make_request(rid, max_tokens=50, mock={"hang_after_tokens": 4})))
         await wait_for_load(ch, lambda load: load.running_requests >= 1)
+        # The four tokens are out and the request hangs. Still a synchronisation by time: generate() returns only
+        # at the stream's end and GetLoad does not count tokens (at the mock's default pace they take ~0.1 s).
         await asyncio.sleep(0.2)
         await abort(ch, rid)
         return await task
@@ -177,10 +179,11 @@ def test_startup_delay_reports_starting_then_ready(start_mock: StartMock) -> Non
         assert early.state == lifecycle_pb2.HEALTH_STATE_STARTING
         refused = await generate(ch, make_request(max_tokens=2))
         assert (refused.status, refused.messages) == (Status.UNAVAILABLE, [])
-        deadline = asyncio.get_running_loop().time() + 10
-        while (await stub.Health(lifecycle_pb2.HealthRequest())).state != lifecycle_pb2.HEALTH_STATE_READY:
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.05)
+
+        async def ready() -> bool:
+            return (await stub.Health(lifecycle_pb2.HealthRequest())).state == lifecycle_pb2.HEALTH_STATE_READY
+
+        await wait_until(ready, timeout=10, interval=0.05)
         assert (await generate(ch, make_request(max_tokens=2))).status == Status.OK
 
     call(mock.address, run)
@@ -193,7 +196,4 @@ def test_fault_exit_after_requests(start_mock: StartMock) -> None:
     second = call(mock.address, lambda ch: generate(ch, make_request(max_tokens=2)))
     assert second.status != Status.OK
     assert second.messages == []
-    deadline = time.monotonic() + 10
-    while mock.proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert mock.proc.returncode == 1
+    assert mock.proc.wait(timeout=10) == 1

@@ -27,6 +27,7 @@ def test_port_file_and_listening_line(start_mock: StartMock) -> None:
         pass
     deadline = time.monotonic() + 5
     while f"openengine-mock listening on {mock.address}" not in mock.log() and time.monotonic() < deadline:
+        # The poll interval of a synchronous test (wait_until is async).
         time.sleep(0.02)
     assert f"openengine-mock listening on {mock.address}" in mock.log()
     assert not list(mock.port_file.parent.glob(".*.tmp")), "the temp file was renamed into place"

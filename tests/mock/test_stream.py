@@ -1,4 +1,4 @@
-"""Stream shape and generation semantics of ``Generate`` (TensorRT-LLM's stream, ``tensorrt-llm-openengine.md`` §7)."""
+"""Stream shape and generation semantics of ``Generate`` (TensorRT-LLM's stream)."""
 
 from __future__ import annotations
 

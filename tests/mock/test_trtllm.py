@@ -1,4 +1,4 @@
-"""``--profile trtllm`` (the default) and ``trtllm-newer``: TensorRT-LLM's server as ``tensorrt-llm-openengine.md``
+"""``--profile trtllm`` (the default) and ``trtllm-newer``: TensorRT-LLM's server as ``docs/mock.md``
 describes it, one test per difference from the richer ``full`` engine (issue 22's list; the shutdown difference is in
 ``test_shutdown.py``). Where ``full`` differs, the same request against it is shown too."""
 

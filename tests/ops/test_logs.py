@@ -90,7 +90,7 @@ async def test_each_request_task_sees_only_its_own_id(worker: WorkerLifecycle) -
 
     async def request_task(rid: str, delay: float) -> None:
         REQUEST_ID.set(rid)
-        await trio.sleep(delay)
+        await trio.sleep(delay)  # not a synchronisation: interleaves the tasks (their order is not asserted on)
         logger.info("done")
 
     async with trio.open_nursery() as nursery:

@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from trio_websocket import open_websocket_url
 
 from tests.helpers.processes import free_port
-from tests.helpers.stack import MODEL, dump_logs, start_engine, start_sidecar, wait_routable
+from tests.helpers.stack import MODEL, dump_logs, engine_load, start_engine, start_sidecar, wait_routable
+from tests.helpers.waits import wait_until
 
 if TYPE_CHECKING:
     from tests.helpers.processes import DynamoEnv, Frontend, Process
@@ -192,16 +193,23 @@ async def test_an_engine_killed_under_load_is_one_line_per_request_never_a_trace
             async with trio.open_nursery() as nursery:
                 for _ in range(8):
                     nursery.start_soon(partial(stream_completion, frontend.url, "The river", max_tokens=400))
-                with trio.fail_after(20):
-                    while worker.process.log().count("request received") < 9:  # the warm-up and our 8
-                        await trio.sleep(0.05)
-                await trio.sleep(0.5)
+                # The warm-up and our 8 received, and our 8 streaming on the engine.
+                await wait_until(lambda: worker.process.log().count("request received") >= 9, timeout=20)
+                await wait_until(lambda: _running_at_least(engine.address, 8), timeout=20)
                 engine.process.proc.kill()
             await worker.process.wait_for_log(r"serving -> reconnecting", timeout=20)
-            await trio.sleep(1.0)
+            await wait_until(lambda: _lost_lines(worker.process.log()) >= 8, timeout=10, what="every request's line")
             log = worker.process.log()
     assert "Traceback" not in log, log
     ours = [line for line in log.splitlines() if "sidecar.requests" in line and "Connection lost" in line]
     dynamos = [line for line in log.splitlines() if line.startswith("dynamo._core.")]
     assert len(ours) == 8, "\n".join(ours)
     assert len(dynamos) <= 8, "\n".join(dynamos)
+
+
+async def _running_at_least(address: str, count: int) -> bool:
+    return ((await engine_load(address)).running_requests or 0) >= count
+
+
+def _lost_lines(log: str) -> int:
+    return sum("sidecar.requests" in line and "Connection lost" in line for line in log.splitlines())

@@ -4,7 +4,7 @@ Both sides produce the same :class:`WireModel` — every service, enum and messa
 names, types and labels — so a test can compare them item by item, and :func:`render` turns the
 descriptor side into the committed snapshot ``tests/protos/wire_table.txt``.
 
-The label vocabulary is the reference's (``openengine-wire-v0.1.0.md``, "Label column legend"):
+The label vocabulary is the v0.1.0 wire reference's (its "Label column legend"):
 ``singular``, ``optional`` (proto3 optional), ``singular (message)``, ``repeated``, ``oneof <group>``.
 
 Regenerate the snapshot (after a deliberate schema change only)::
