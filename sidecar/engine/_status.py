@@ -15,6 +15,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from sidecar.errors import EngineRpcError, GrpcCode
+from sidecar.http2 import GoawayRefused
 
 from ._transport import TransportError
 
@@ -66,7 +67,7 @@ def to_engine_rpc_error(rpc: str, exc: BaseException) -> EngineRpcError | None:
     if isinstance(exc, StreamTerminatedError):
         # RST_STREAM from the server, GOAWAY, or the connection lost under the stream.
         return EngineRpcError(rpc, GrpcCode.UNAVAILABLE, f"stream terminated: {exc}")
-    if isinstance(exc, TransportError):
+    if isinstance(exc, TransportError | GoawayRefused):
         # Already one sentence for the operator (TLS refusal, bad socket path, GOAWAY), naming what to check.
         return EngineRpcError(rpc, GrpcCode.UNAVAILABLE, str(exc))
     if isinstance(exc, ConnectionRefusedError):
