@@ -21,7 +21,8 @@ Rules kept here, each learnt the hard way (``grpc-stack.md``):
   ``MAX_CONCURRENT_STREAMS`` (grpclib then parks new streams until one ends); hitting that limit is logged;
 * a GOAWAY drains its connection rather than killing it (``sidecar.http2``): open streams run to their end, new calls
   go to a fresh connection (a call refused before it was sent is retried there once), and the client tells its owner
-  that the engine is going away (:attr:`EngineClient.going_away`, :meth:`EngineClient.on_going_away`);
+  that the engine is going away (:attr:`EngineClient.going_away`, :meth:`EngineClient.on_going_away`); a status the
+  engine sends on a connection that heard its GOAWAY says so (``EngineRpcError.after_goaway``);
 * importing this module changes no library: the HTTP/2 tunings are the worker's explicit call
   (``sidecar.http2.apply_tunings``).
 """
@@ -761,14 +762,17 @@ async def _aio_unary(
     channel: PooledChannel,
 ) -> _R:
     _note_stream_limit(rpc, channel)
+    goaways = channel.goaways_heard
     try:
         try:
             return await method(request, timeout=grpc_timeout_s, metadata=metadata)
         except GoawayRefused:
             # Nothing was sent; the channel has already dropped the draining connection and connects anew.
+            goaways = channel.goaways_heard
             return await method(request, timeout=grpc_timeout_s, metadata=metadata)
     except Exception as exc:
-        error = to_engine_rpc_error(rpc, exc)
+        # A GOAWAY heard by this channel during the call came on the call's connection: it was the current one.
+        error = to_engine_rpc_error(rpc, exc, after_goaway=channel.goaways_heard != goaways)
         if error is None:
             raise
         raise error from exc
@@ -785,10 +789,12 @@ async def _aio_server_stream(
     grpc_timeout_s: float | None,
 ) -> AsyncIterator[Any]:
     _note_stream_limit(rpc, channel)
+    goaways = channel.goaways_heard
     try:
         retry = True
         while True:
             try:
+                goaways = channel.goaways_heard
                 async with channel.request(
                     path,
                     Cardinality.UNARY_STREAM,
@@ -811,7 +817,8 @@ async def _aio_server_stream(
                     raise
                 retry = False
     except Exception as exc:
-        error = to_engine_rpc_error(rpc, exc)
+        # A GOAWAY heard by this channel during the call came on the call's connection: it was the current one.
+        error = to_engine_rpc_error(rpc, exc, after_goaway=channel.goaways_heard != goaways)
         if error is None:
             raise
         raise error from exc

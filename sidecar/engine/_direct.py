@@ -351,7 +351,8 @@ class DirectStream(DirectSink):
     def _fail(self, error: BaseException, *, reset: bool = False, release_later: bool = False) -> None:
         if self.released:
             return
-        mapped = to_engine_rpc_error(self.rpc, error)
+        link = self.link
+        mapped = to_engine_rpc_error(self.rpc, error, after_goaway=link is not None and link.heard_goaway)
         self._finish(mapped if mapped is not None else error)
         if reset:
             self._reset()

@@ -8,7 +8,9 @@ grpclib's does not.
 * **Graceful stop**, as grpc-core's ``server.stop(grace)``: every connection gets a GOAWAY with last-stream-id
   2^31−1 and a PING, then -- once the PING is answered (or after a second) -- a second GOAWAY with the real last
   stream id. Both are written straight to the transport, so that h2 (which allows nothing but GOAWAY after sending
-  one) keeps serving the open streams. A stream above the second GOAWAY's last stream id is refused
+  one) keeps serving the open streams. A stream that arrives **between the two GOAWAYs** is answered as grpc-core
+  answers it: trailers-only ``grpc-status 1 CANCELLED`` (``grpc-message: CANCELLED``), then ``RST_STREAM
+  NO_ERROR``; its handler never runs. A stream above the second GOAWAY's last stream id is refused
   (``RST_STREAM REFUSED_STREAM``). :meth:`GrpcCoreServer.cut` ends what is left (``RST_STREAM CANCEL``).
 """
 
@@ -25,7 +27,7 @@ from h2.errors import ErrorCodes
 from h2.events import PingAckReceived, RequestReceived
 from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes
-from hyperframe.frame import GoAwayFrame
+from hyperframe.frame import GoAwayFrame, RstStreamFrame
 
 if TYPE_CHECKING:
     from grpclib.server import Stream
@@ -42,6 +44,13 @@ _MAX_STREAM_ID: Final = 2**31 - 1
 _GOAWAY_PING: Final = b"oe-goawy"
 #: The second GOAWAY is sent after this long even when the PING is never answered.
 _GOAWAY_PING_TIMEOUT_S: Final = 1.0
+#: grpc-core's answer to a stream that arrives between its two GOAWAYs (seen on the wire: TensorRT-LLM's server).
+_CANCELLED_BETWEEN_GOAWAYS: Final = [
+    (":status", "200"),
+    ("content-type", "application/grpc"),
+    ("grpc-status", "1"),
+    ("grpc-message", "CANCELLED"),
+]
 
 
 class _ServerProtocol(H2Protocol):
@@ -92,11 +101,20 @@ class _ServerProtocol(H2Protocol):
 
     def _answer_new_stream(self, stream_id: int) -> bool:
         """True if the new stream ``stream_id`` is answered here (the server is stopping), not by a handler."""
-        last = self._last_stream_id
-        if last is None or stream_id <= last:
+        after = self._first_goaway_after
+        if after is None or stream_id <= after:
             return False
+        h2 = self.connection._connection
         self._answered.add(stream_id)
-        self.connection._connection.reset_stream(stream_id, ErrorCodes.REFUSED_STREAM)
+        last = self._last_stream_id
+        if last is not None and stream_id > last:
+            h2.reset_stream(stream_id, ErrorCodes.REFUSED_STREAM)
+            return True
+        log.info("stream %d arrived between the GOAWAYs: answered CANCELLED, as grpc-core does", stream_id)
+        h2.send_headers(stream_id, _CANCELLED_BETWEEN_GOAWAYS, end_stream=True)
+        self.connection.flush()
+        # Written as it is: h2 may already count the stream as closed (the client's END_STREAM came in this read).
+        self.connection._transport.write(RstStreamFrame(stream_id, error_code=ErrorCodes.NO_ERROR).serialize())
         return True
 
     @property

@@ -2,9 +2,11 @@
 
 Stopping (``--stop-grace-secs``, TensorRT-LLM's ``server.stop(grace=5)`` on grpcio): the listener closes; every
 connection gets a GOAWAY with last-stream-id 2^31−1 and a PING, then — once the PING is answered (or after a second) —
-a second GOAWAY with the real last stream id. Streams opened after that are refused (``RST_STREAM REFUSED_STREAM``);
-open streams keep running until they end or the grace ends; whatever remains is then reset (``CANCEL``) and the
-connections closed. Exit code 0. The HTTP/2 side of this is ``sidecar.http2``'s (``GrpcCoreServer``).
+a second GOAWAY with the real last stream id. A stream that arrives between the two is answered trailers-only
+``CANCELLED`` plus ``RST_STREAM NO_ERROR``, as grpc-core answers it; streams opened after the second are refused
+(``RST_STREAM REFUSED_STREAM``); open streams keep running until they end or the grace ends; whatever remains is then
+reset (``CANCEL``) and the connections closed. Exit code 0. The HTTP/2 side of this is ``sidecar.http2``'s
+(``GrpcCoreServer``).
 """
 
 from __future__ import annotations
