@@ -267,7 +267,7 @@ async def _stock_grpclib_stream(target: str, engine: GrpcioEngine) -> tuple[int,
 
 
 async def test_stock_grpclib_still_fails_every_stream_on_goaway(edge: Edge) -> None:
-    # If this fails, grpclib learnt to drain on GOAWAY and sidecar/engine/_transport.py can shrink.
+    # If this fails, grpclib learnt to drain on GOAWAY and sidecar/http2 can shrink.
     with grpcio_engine(token_s=0.02) as engine, trio.fail_after(30):
         tokens, error, failed_after_s = await edge.run(_stock_grpclib_stream, engine.target, engine)
     assert isinstance(error, StreamTerminatedError), error
