@@ -473,6 +473,8 @@ class PooledChannel(Http2Channel):
             self._listener.drained()
         return drained
 
+    closed_reason = "the engine client is closed"
+
     def close_draining(self, reason: str = "the engine kept its connection open too long after GOAWAY") -> None:
         """Close the connections that had a GOAWAY (their streams fail with ``reason``)."""
         super().close_draining(reason)

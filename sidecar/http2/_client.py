@@ -422,9 +422,12 @@ class Http2Channel(Channel):
         for protocol in list(self._draining):
             protocol.close(reason)
 
+    #: What the streams of draining connections fail with when the channel is closed.
+    closed_reason = "the channel is closed"
+
     def close(self) -> None:
         """Close the current connection and every draining one (their streams fail)."""
-        self.close_draining("the engine client is closed")
+        self.close_draining(self.closed_reason)
         super().close()
 
 
