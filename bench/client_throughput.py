@@ -27,8 +27,10 @@ Clients:
   Dynamo handler (``sidecar.dynamo._handler.make_handler``, a stand-in ``Context``), whose pump runs
   ``RequestServer.handle`` in trio over ``edge.trio_stream``, which reads ``generate`` (64-stream rows only;
   ``--path-only`` measures nothing else); it counts engine messages consumed, like the others;
-* ``path-h2repr`` — the same with hyperframe's own ``Frame.__repr__`` restored (``--repr-ab``): what the engine
-  client's repr patch saves, toggled in one run;
+* ``path-h2repr`` — the same with hyperframe's own ``Frame.__repr__`` (``--repr-ab``): what the HTTP/2 layer's
+  frame-repr tuning saves, toggled in one run (``ours`` and ``path`` apply every tuning, as the worker does);
+* ``path-fat``   — the same with grpclib's own per-stream ``asyncio`` containers (``--lean-ab``): what the
+  lean-streams tuning costs or saves in CPU;
 * ``ours-direct``, ``path-direct`` — the same with ``EngineClientConfig(direct_receive=True)`` (``--direct-receive``);
 * ``path@NAME``  — the same, imported from another checkout (``--tree NAME=DIR``): a before/after in one run;
   ``ours@NAME`` likewise for ``ours`` (unless ``--path-only``);
@@ -127,12 +129,24 @@ def own_cpu_s() -> float:
 # ---------------------------------------------------------------------------------------------- child: ours
 
 
+def _tune(args: argparse.Namespace) -> None:
+    """The HTTP/2 layer's tunings, as the worker applies them at start-up (minus the one an A/B leaves out). A tree
+    from before the layer (``--tree``) has no such call: it patched at import."""
+    try:
+        from sidecar.http2 import apply_tunings
+    except ImportError:
+        return
+    apply_tunings(frame_repr=not args.h2_repr, lean_streams=not args.fat_streams)
+
+
 def child_ours(args: argparse.Namespace) -> Result:
     """Measure our trio client."""
     import trio
 
     from sidecar.edge import open_edge
     from sidecar.engine import EngineClientConfig, open_engine_client, parse_endpoint
+
+    _tune(args)
 
     async def main() -> Result:
         async with open_edge() as edge:
@@ -183,13 +197,9 @@ def child_path(args: argparse.Namespace) -> Result:
     from sidecar.dynamo._handler import make_handler
     from sidecar.edge import open_edge
     from sidecar.engine import EngineClientConfig, open_engine_client, parse_endpoint
-    from sidecar.engine import _client as engine_client
     from sidecar.requests import RequestServer, ServingContext
 
-    if args.h2_repr:
-        import hyperframe.frame
-
-        hyperframe.frame.Frame.__repr__ = engine_client.HYPERFRAME_REPR  # type: ignore[method-assign]
+    _tune(args)
 
     class Context:
         def __init__(self, request_id: str) -> None:
@@ -245,7 +255,9 @@ def child_path(args: argparse.Namespace) -> Result:
                     await trio.sleep(args.window)
                     c1, f1, t1, cpu1, srv1 = count, finished, time.perf_counter(), own_cpu_s(), process_cpu_s(args.pid)
                     nursery.cancel_scope.cancel(reason="measurement window over")
-        name = "path-h2repr" if args.h2_repr else "path-direct" if args.direct else "path"
+        name = "path-h2repr" if args.h2_repr else "path-fat" if args.fat_streams else "path"
+        if args.direct:
+            name = "path-direct"
         return Result(name, args.streams, c1 - c0, t1 - t0, cpu1 - cpu0, srv1 - srv0, f1 - f0)
 
     return trio.run(main)
@@ -392,6 +404,8 @@ def run_child(client: str, streams: int, target: str, pid: int, args: argparse.N
     ]
     if client == "path-h2repr":
         argv.append("--h2-repr")
+    if client == "path-fat":
+        argv.append("--fat-streams")
     if client == "ours-nodetok":
         argv.append("--no-detokenize")
     if client.endswith("-direct"):
@@ -461,9 +475,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repr-ab", action="store_true", help="also the request path with hyperframe's own Frame.__repr__"
     )
+    parser.add_argument(
+        "--lean-ab", action="store_true", help="also the request path with grpclib's own per-stream containers"
+    )
     # child mode (internal)
     parser.add_argument("--child", choices=["ours", "reference", "path"], help=argparse.SUPPRESS)
     parser.add_argument("--h2-repr", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fat-streams", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-detokenize", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
@@ -507,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
                 clients.append("path")
                 if args.repr_ab:
                     clients.append("path-h2repr")
+                if args.lean_ab:
+                    clients.append("path-fat")
                 clients.extend(f"path@{name}" for name, _ in args.tree)
                 if args.direct_receive:
                     clients.append("path-direct")
@@ -544,7 +564,7 @@ def print_table(results: dict[tuple[str, int], list[Result]], stream_counts: lis
     cpu: dict[tuple[str, int], float] = {}
     for streams in stream_counts:
         trees = dict.fromkeys(c for c, _ in results if "@" in c)
-        order = ("ours", "ours-direct", "ours-nodetok", "ours-1conn", "path", "path-direct", "path-h2repr")
+        order = ("ours", "ours-direct", "ours-nodetok", "ours-1conn", "path", "path-direct", "path-h2repr", "path-fat")
         for client in (*order, *trees, "reference"):
             runs = results.get((client, streams))
             if not runs:
@@ -567,12 +587,13 @@ def print_table(results: dict[tuple[str, int], list[Result]], stream_counts: lis
                 f"engine (mock) CPU per message at {streams} stream(s): {a:.1f} µs detokenizing, {b:.1f} µs with "
                 f"extra.detokenize=false ({b / a:.2f}x)"
             )
-        if ("path-h2repr", streams) in cpu and ("path", streams) in cpu:
-            patched, original = cpu[("path", streams)], cpu[("path-h2repr", streams)]
-            print(
-                f"request path at {streams} stream(s): {patched:.1f} µs/msg with the repr patch, {original:.1f} "
-                f"without ({patched / original:.2f}x)"
-            )
+        for other, tuning in (("path-h2repr", "frame-repr"), ("path-fat", "lean-streams")):
+            if (other, streams) in cpu and ("path", streams) in cpu:
+                tuned, untuned = cpu[("path", streams)], cpu[(other, streams)]
+                print(
+                    f"request path at {streams} stream(s): {tuned:.1f} µs/msg with the {tuning} tuning, {untuned:.1f} "
+                    f"without ({tuned / untuned:.2f}x)"
+                )
         for client, count in cpu:
             kind = client.partition("@")[0]
             if count == streams and "@" in client and (kind, streams) in cpu:  # here against the other tree

@@ -4,7 +4,7 @@
     python -m bench.hotpath --quick    # ~5 s
 
 * **h2 receive**: ``H2Connection.receive_data`` of one DATA frame carrying a ``GenerateResponse``, with hyperframe's
-  own ``Frame.__repr__`` and with the engine client's cheap one (``sidecar/engine/_client.py``).
+  own ``Frame.__repr__`` and with the HTTP/2 layer's cheap one (``sidecar.http2.apply_tunings``).
 * **wakeups, edge loop → trio**: bursts of 64 callables posted from the edge thread to trio (one decode step of 64
   streams), each by its own ``TrioToken.run_sync_soon`` (as before) or through ``Link.to_trio`` (one wakeup per
   burst); process CPU (all threads) per callable, and wakeups per burst.
@@ -236,11 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     frames, bursts, batches = int(20000 * scale), int(200 * scale), int(100000 * scale)
 
     from sidecar.edge import open_edge
-    from sidecar.engine import _client
+    from sidecar.http2 import HYPERFRAME_REPR, cheap_frame_repr
 
-    h2_a = min(h2_receive_us(frames, _client.HYPERFRAME_REPR) for _ in range(rounds))
-    h2_b = min(h2_receive_us(frames, _client._cheap_frame_repr) for _ in range(rounds))
-    print(f"h2 receive of one DATA frame:            {h2_a:6.2f} µs with hyperframe's repr, {h2_b:6.2f} µs patched "
+    h2_a = min(h2_receive_us(frames, HYPERFRAME_REPR) for _ in range(rounds))
+    h2_b = min(h2_receive_us(frames, cheap_frame_repr) for _ in range(rounds))
+    print(f"h2 receive of one DATA frame:            {h2_a:6.2f} µs with hyperframe's repr, {h2_b:6.2f} µs tuned "
           f"({h2_b / h2_a - 1:+.0%})")  # fmt: skip
 
     async def bridge() -> None:

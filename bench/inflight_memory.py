@@ -69,7 +69,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from sidecar.dynamo._handler import make_handler
     from sidecar.edge import open_edge
     from sidecar.engine import EngineClientConfig, open_engine_client, parse_endpoint
+    from sidecar.http2 import apply_tunings
     from sidecar.requests import RequestServer, ServingContext
+
+    # As the worker does at start-up (--fat-streams: without the lean-streams tuning, for --lean-ab).
+    apply_tunings(lean_streams=not args.fat_streams)
 
     async def main() -> dict[str, Any]:
         async with open_edge() as edge:
@@ -195,7 +199,7 @@ def start_mock(work: Path, decode_ms: float, max_running: int) -> tuple[subproce
     return proc, port_file.read_text().strip()
 
 
-def run_child(args: argparse.Namespace, target: str, trace: bool) -> dict[str, Any]:
+def run_child(args: argparse.Namespace, target: str, trace: bool, fat: bool = False) -> dict[str, Any]:
     argv = [
         sys.executable, "-m", "bench.inflight_memory", "--child", "--target", target,
         "--requests", str(args.requests), "--connections", str(args.connections), "--top", str(args.top),
@@ -204,6 +208,8 @@ def run_child(args: argparse.Namespace, target: str, trace: bool) -> dict[str, A
     ]  # fmt: skip
     if trace:
         argv.append("--trace")
+    if fat:
+        argv.append("--fat-streams")
     done = subprocess.run(argv, capture_output=True, text=True, timeout=4 * args.timeout + 120, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"child failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -224,11 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=60.0, help="bound of each phase, s [%(default)s]")
     parser.add_argument("--no-trace", action="store_true", help="skip the tracemalloc run")
+    parser.add_argument(
+        "--lean-ab",
+        action="store_true",
+        help="also measure without the HTTP/2 layer's lean-streams tuning (grpclib's own per-stream containers)",
+    )
     parser.add_argument("--warmup", type=int, default=50, help="requests held once before the baseline [%(default)s]")
     parser.add_argument("--prompt-tokens", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--settle", type=float, default=1.0, help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trace", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fat-streams", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -249,6 +261,20 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"Python heap (tracemalloc): {heap['heap_per_request_kib']:.2f} KiB per request", flush=True)
                 for site, size in heap["top"]:
                     print(f"  {size:8.0f} B/request  {site}")
+            if args.lean_ab:
+                fat = run_child(args, target, trace=False, fat=True)
+                print(
+                    f"RSS without the lean-streams tuning: {fat['rss_per_request_kib']:.1f} KiB per request"
+                    f" (with it: {rss['rss_per_request_kib']:.1f})",
+                    flush=True,
+                )
+                if not args.no_trace:
+                    fat_heap = run_child(args, target, trace=True, fat=True)
+                    print(
+                        f"Python heap without the lean-streams tuning: {fat_heap['heap_per_request_kib']:.2f} KiB per"
+                        f" request (with it: {heap['heap_per_request_kib']:.2f})",
+                        flush=True,
+                    )
         finally:
             mock.terminate()
             try:

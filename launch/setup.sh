@@ -21,13 +21,15 @@ else
 fi
 . "$venv/bin/activate"
 quiet=(-q --disable-pip-version-check)
+# constraints.txt: the exact versions of the HTTP/2 stack whose internals sidecar/http2 adapts (the image uses it too).
+constraints=(-c "$root/constraints.txt")
 say "pinning pip"
 python -m pip install "${quiet[@]}" "pip==25.3"
 say "installing the project with its pinned dependencies (the longest step, about a minute)"
-python -m pip install "${quiet[@]}" -e ".[codegen,dev]"
+python -m pip install "${quiet[@]}" "${constraints[@]}" -e ".[codegen,dev]"
 # The test engine is a distribution of its own (openengine-sidecar never ships it): the demo and the tests need it.
 say "installing openengine-mock, the test engine (sidecar/testing, with tokenizers and msgspec)"
-python -m pip install "${quiet[@]}" -e ./sidecar/testing
+python -m pip install "${quiet[@]}" "${constraints[@]}" -e ./sidecar/testing
 
 # The Dynamo frontend: `pip install ai-dynamo==1.6.1` cannot resolve on Python 3.11 (its aisimulate dependency is a
 # stub that downloads from NVIDIA's own index), so it is installed without dependencies, plus the few it needs to run.
@@ -35,9 +37,9 @@ python -m pip install "${quiet[@]}" -e ./sidecar/testing
 # the --no-deps install adds no "dependency resolver" ERROR about the ones left out on purpose (an install after it
 # would print one for every such dependency). The check below still reports any other conflict.
 say "installing what the Dynamo frontend needs to run (packaging, pyyaml, msgspec)"
-python -m pip install "${quiet[@]}" "packaging==26.4" "pyyaml==6.0.4" "msgspec==0.23.0"
+python -m pip install "${quiet[@]}" "${constraints[@]}" "packaging==26.4" "pyyaml==6.0.4" "msgspec==0.23.0"
 say "installing the Dynamo frontend (ai-dynamo 1.6.1, without its dependencies)"
-python -m pip install "${quiet[@]}" --no-deps "ai-dynamo==1.6.1"
+python -m pip install "${quiet[@]}" "${constraints[@]}" --no-deps "ai-dynamo==1.6.1"
 
 # ai-dynamo's dependencies this project leaves out: the frontend runs without them.
 left_out='aiohttp|aisimulate|kubernetes|pyzmq|redis|transformers|zstandard'

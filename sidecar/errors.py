@@ -113,6 +113,14 @@ GRPC_STATUS_KIND: Final[dict[GrpcCode, DynamoErrorKind]] = {
     GrpcCode.OK: DynamoErrorKind.UNKNOWN,
 }
 
+# gRPC status the engine sent on a connection that had heard its GOAWAY -> what the client is told, where it differs
+# from GRPC_STATUS_KIND. Between its two GOAWAYs grpc-core (TensorRT-LLM's server) answers a new stream trailers-only
+# CANCELLED, then RST_STREAM NO_ERROR: the engine is going away and never ran the request, which another worker can
+# serve. (The sidecar never causes a CANCELLED status: its own cancellation resets the stream and reads nothing more.)
+GOING_AWAY_STATUS_KIND: Final[dict[GrpcCode, DynamoErrorKind]] = {
+    GrpcCode.CANCELLED: DynamoErrorKind.DISCONNECTED,
+}
+
 # In-band terminal EngineError of an accepted request, when the engine did not flag it retryable.
 ENGINE_ERROR_KIND: Final[dict[EngineErrorCode, DynamoErrorKind]] = {
     EngineErrorCode.INVALID_ARGUMENT: DynamoErrorKind.INVALID_ARGUMENT,
@@ -162,14 +170,20 @@ class SidecarError(Exception):
 
 
 class EngineRpcError(SidecarError):
-    """A non-OK gRPC status (or transport loss, reported as UNAVAILABLE) from one engine RPC."""
+    """A non-OK gRPC status (or transport loss, reported as UNAVAILABLE) from one engine RPC.
 
-    def __init__(self, rpc: str, code: GrpcCode, details: str) -> None:
+    ``after_goaway``: the engine sent the status on a connection that had heard its GOAWAY
+    (``GOING_AWAY_STATUS_KIND``).
+    """
+
+    def __init__(self, rpc: str, code: GrpcCode, details: str, *, after_goaway: bool = False) -> None:
         super().__init__(f"{rpc}: {code.name}: {details}" if details else f"{rpc}: {code.name}")
         self.rpc = rpc
         self.code = code
         self.details = details
-        self.kind = GRPC_STATUS_KIND[code]
+        self.after_goaway = after_goaway
+        kind = GOING_AWAY_STATUS_KIND.get(code) if after_goaway else None
+        self.kind = kind if kind is not None else GRPC_STATUS_KIND[code]
 
 
 class EngineFailure(SidecarError):

@@ -30,6 +30,7 @@ from sidecar.dynamo import ControlPlaneError, ControlPlaneUnreachable, DynamoSet
 from sidecar.edge import open_edge
 from sidecar.engine import EngineClientConfig, SchemaIncompatible, open_engine_client, parse_endpoint
 from sidecar.errors import EngineGone, EngineRpcError, GrpcCode, WorkerDraining
+from sidecar.http2 import apply_tunings
 from sidecar.kv import EngineIdentity, RoutingPlan, discover_routing, routing_config, run_routing_signals
 from sidecar.lora import CONTROLS, LoraManager, LoraSettings, observe_lora
 from sidecar.ops import logs, metrics
@@ -847,6 +848,9 @@ def run_worker(config: SidecarConfig) -> int:
     """Run the worker until it drains (0) or refuses/fails (1)."""
     apply_loopback_defaults(os.environ)
     canary_disabled = disable_dynamo_canary(os.environ)
+    # The HTTP/2 layer's tunings of grpclib and hyperframe, process-wide: this process is the worker's alone
+    # (docs/performance.md, "HTTP/2 layer tunings").
+    apply_tunings()
     worker = Worker(config)
     logs.configure_logging(config.log_level, "json" if config.log_format == "json" else "text", worker.lifecycle)
     if canary_disabled:

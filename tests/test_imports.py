@@ -45,12 +45,7 @@ REPORT_LINES: Final = 6
 
 #: Breaks the code has today on purpose, each while its fix lands in another branch: ``(room path, rule) -> why``.
 #: ``rule`` is the rule's text as :func:`check` reports it. Remove an entry when its fix merges (the test says when).
-KNOWN_BREAKS: Final[dict[tuple[str, str], str]] = {
-    ("sidecar/conformance/", "never loads trio"): (
-        "issue 29 §1: the kit imports sidecar.engine (endpoint parser, schema pin), whose __init__ loads the trio "
-        "client; the owned grpclib/h2 layer (helper 'h2') makes the kit trio-free"
-    ),
-}
+KNOWN_BREAKS: Final[dict[tuple[str, str], str]] = {}
 
 
 # -- the map ----------------------------------------------------------------------------------------------------------
@@ -481,7 +476,6 @@ def test_the_map_names_the_rooms_that_matter(rooms: list[Room], modules: dict[st
     for name in (
         "sidecar.startup",
         "sidecar.dynamo._entries",
-        "sidecar.engine._grpclib_lean",
         "sidecar.testing.h2pair",
     ):
         assert owner[name].paths == [modules[name].path], f"{name} has a row of its own"

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from sidecar.engine import EndpointError, parse_endpoint
+from sidecar.contract import EndpointError, parse_endpoint
 
 from ._context import KitConfig
 from ._model import CheckResult, Report
@@ -131,7 +131,7 @@ def tls_context(ca: Path, cert: Path | None, key: Path | None) -> ssl.SSLContext
 
 
 def parse_target(text: str, flag: str, tls: ssl.SSLContext | None) -> Target:
-    """``unix://PATH`` (kept here until ``sidecar.engine`` parses it) or whatever ``parse_endpoint`` accepts."""
+    """``unix://PATH`` (kept here until ``sidecar.contract`` parses it) or whatever ``parse_endpoint`` accepts."""
     if text.startswith("unix:"):
         path = text.removeprefix("unix://") if text.startswith("unix://") else text.removeprefix("unix:")
         if not path:

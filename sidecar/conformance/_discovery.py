@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from openengine.v1 import model_pb2, server_pb2
-from sidecar.engine import CLIENT_REVISION, PINNED_SCHEMA_RELEASE
+from sidecar.contract import CLIENT_REVISION, PINNED_SCHEMA_RELEASE
 
 from ._context import Context
 from ._model import FailCheck, Outcome, SkipCheck

@@ -10,22 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, cast
 
 from google.protobuf.message import Message
-from grpclib.client import Channel, Handler
+from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.encoding.proto import ProtoCodec
 from grpclib.exceptions import GRPCError, StreamTerminatedError
-from grpclib.protocol import H2Protocol
-from h2.errors import ErrorCodes
-from h2.events import ConnectionTerminated
-from hyperframe.frame import GoAwayFrame
 
 from openengine.v1 import generation_pb2, openengine_grpc
+from sidecar.http2 import ClientProtocol, Goaway, GoawayPolicy, Http2Channel
 
 __all__ = ["Call", "GoAway", "KitChannel", "Observation", "RawMessage", "Target", "call", "generate"]
 
@@ -72,61 +68,23 @@ class GoAway:
     last_stream_id: int
 
 
-class _RecordingProtocol(H2Protocol):
-    """grpclib's client protocol, recording GOAWAY frames and, if asked, surviving them.
+class KitChannel(Http2Channel):
+    """A grpclib channel (through ``sidecar.http2``) with the kit's codec (raw requests) that records every GOAWAY.
 
-    grpclib closes the whole connection on any GOAWAY (trtllm §3), which would cut the very streams a graceful stop
-    promises to finish; the graceful-stop check keeps reading them until the engine closes the connection itself.
+    By default a GOAWAY closes the connection as stock grpclib does (trtllm §3: every open stream fails). With
+    ``tolerate_goaway`` the connection drains instead -- the open streams are read to their end, no new stream opens
+    on it -- which the graceful-stop check needs: grpc-core's stop promises to finish them.
     """
 
-    def __init__(self, channel: KitChannel, base: H2Protocol) -> None:
-        super().__init__(base.handler, base.config, base.h2_config)
-        self._channel = channel
-
-    def connection_made(self, transport: Any) -> None:
-        super().connection_made(transport)
-        processors = self.processor.processors
-        close_on_goaway = cast("Callable[[ConnectionTerminated], None]", processors[ConnectionTerminated])
-
-        def on_goaway(event: ConnectionTerminated) -> None:
-            self._channel.goaways.append(
-                GoAway(time.monotonic(), int(event.error_code or 0), int(event.last_stream_id or 0))
-            )
-            if not self._channel.tolerate_goaway:
-                close_on_goaway(event)
-
-        processors[ConnectionTerminated] = on_goaway
-        if self._channel.tolerate_goaway:
-            # h2's own GOAWAY handler moves the whole connection to CLOSED, after which it refuses every later frame:
-            # the DATA of the streams the GOAWAY lets finish, and the PING grpc-core sends in the same write as its
-            # first GOAWAY (a ProtocolError that drops the connection before any handler could reopen it). This
-            # channel opens no new stream after a GOAWAY, it only keeps reading (h2 4.x, pinned with grpclib 0.4.9).
-            # The dispatch table holds bound methods, hence replaced per connection.
-            self.connection._connection._frame_dispatch_table[GoAwayFrame] = _goaway_event
-
-
-def _goaway_event(frame: GoAwayFrame) -> tuple[list[Any], list[Any]]:
-    """A received GOAWAY as h2's event, without h2's move to ``CLOSED`` (no frames to send, one event)."""
-    event = ConnectionTerminated()
-    try:
-        event.error_code = ErrorCodes(frame.error_code)
-    except ValueError:
-        event.error_code = frame.error_code
-    event.last_stream_id = frame.last_stream_id
-    event.additional_data = frame.additional_data or None
-    return [], [event]
-
-
-class KitChannel(Channel):
-    """A grpclib channel with the kit's codec (raw requests) and GOAWAY recording."""
-
     def __init__(self, *args: Any, tolerate_goaway: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, codec=_KitCodec(), **kwargs)
+        policy = GoawayPolicy.DRAIN if tolerate_goaway else GoawayPolicy.CLOSE
+        super().__init__(*args, codec=_KitCodec(), goaway=policy, **kwargs)
         self.tolerate_goaway = tolerate_goaway
         self.goaways: list[GoAway] = []
 
-    def _protocol_factory(self) -> H2Protocol:
-        return _RecordingProtocol(self, H2Protocol(Handler(), self._config, self._h2_config))
+    def heard_goaway(self, protocol: ClientProtocol, goaway: Goaway) -> None:
+        self.goaways.append(GoAway(goaway.at, goaway.error_code, goaway.last_stream_id))
+        super().heard_goaway(protocol, goaway)
 
 
 @dataclass(slots=True)

@@ -2,25 +2,26 @@
 
 grpclib runs on the edge's asyncio thread (``sidecar.edge``); everything here is called from trio. Every RPC failure
 is raised as :class:`sidecar.errors.EngineRpcError` (transport loss → UNAVAILABLE, deadline → DEADLINE_EXCEEDED).
+The endpoint parser and the schema pin are ``sidecar.contract``'s (pure, importable without trio), re-exported here.
 """
 
+from sidecar.contract import CLIENT_REVISION as CLIENT_REVISION
+from sidecar.contract import MIN_SERVER_REVISION as MIN_SERVER_REVISION
+from sidecar.contract import PINNED_SCHEMA_RELEASE as PINNED_SCHEMA_RELEASE
+from sidecar.contract import Endpoint as Endpoint
+from sidecar.contract import EndpointError as EndpointError
+from sidecar.contract import SchemaIncompatible as SchemaIncompatible
+from sidecar.contract import check_server_compat as check_server_compat
+from sidecar.contract import parse_endpoint as parse_endpoint
+from sidecar.contract import release_matches as release_matches
 from sidecar.edge import StreamIdle as StreamIdle
 
 from ._client import BatchIterator as BatchIterator
 from ._client import ChannelStats as ChannelStats
 from ._client import EngineClient as EngineClient
 from ._client import open_engine_client as open_engine_client
-from ._compat import CLIENT_REVISION as CLIENT_REVISION
-from ._compat import MIN_SERVER_REVISION as MIN_SERVER_REVISION
-from ._compat import PINNED_SCHEMA_RELEASE as PINNED_SCHEMA_RELEASE
-from ._compat import SchemaIncompatible as SchemaIncompatible
-from ._compat import check_server_compat as check_server_compat
-from ._compat import release_matches as release_matches
 from ._config import MIN_KEEPALIVE_INTERVAL_S as MIN_KEEPALIVE_INTERVAL_S
 from ._config import EngineClientConfig as EngineClientConfig
-from ._endpoint import Endpoint as Endpoint
-from ._endpoint import EndpointError as EndpointError
-from ._endpoint import parse_endpoint as parse_endpoint
 from ._metadata import PRIORITY_KEY as PRIORITY_KEY
 from ._metadata import ROUTING_KEY as ROUTING_KEY
 from ._metadata import TARGET_DP_RANK_KEY as TARGET_DP_RANK_KEY

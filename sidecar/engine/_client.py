@@ -19,9 +19,12 @@ Rules kept here, each learnt the hard way:
 * Control RPCs (and KV-event subscriptions) have a connection of their own, so that ``Health``, ``GetLoad`` and
   ``Abort`` never wait behind ``Generate`` streams for a stream slot when a connection reaches the engine's
   ``MAX_CONCURRENT_STREAMS`` (grpclib then parks new streams until one ends); hitting that limit is logged;
-* a GOAWAY drains its connection rather than killing it (``_transport.py``): open streams run to their end, new calls
+* a GOAWAY drains its connection rather than killing it (``sidecar.http2``): open streams run to their end, new calls
   go to a fresh connection (a call refused before it was sent is retried there once), and the client tells its owner
-  that the engine is going away (:attr:`EngineClient.going_away`, :meth:`EngineClient.on_going_away`).
+  that the engine is going away (:attr:`EngineClient.going_away`, :meth:`EngineClient.on_going_away`); a status the
+  engine sends on a connection that heard its GOAWAY says so (``EngineRpcError.after_goaway``);
+* importing this module changes no library: the HTTP/2 tunings are the worker's explicit call
+  (``sidecar.http2.apply_tunings``).
 """
 
 from __future__ import annotations
@@ -34,9 +37,7 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
-import hyperframe.frame
 import trio
-from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 from grpclib.encoding.proto import ProtoCodec
 from grpclib.exceptions import GRPCError
@@ -69,15 +70,15 @@ from openengine_bp.openengine.v1 import (
     UnloadLoraRequest,
     UnloadLoraResponse,
 )
+from sidecar.contract import CLIENT_REVISION, PINNED_SCHEMA_RELEASE
 from sidecar.edge import EdgeError
 from sidecar.errors import EngineRpcError, GrpcCode
+from sidecar.http2 import GoawayRefused, grpclib_configuration
 
-from . import _grpclib_lean
-from ._compat import CLIENT_REVISION, PINNED_SCHEMA_RELEASE
 from ._direct import start_direct_stream
 from ._metadata import TraceContext, check_metadata
 from ._status import to_engine_rpc_error
-from ._transport import GoawayRefused, PooledChannel, TlsFiles, TlsSource
+from ._transport import PooledChannel, TlsFiles, TlsSource
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -86,26 +87,9 @@ if TYPE_CHECKING:
 
     from ._config import EngineClientConfig
 
-__all__ = ["HYPERFRAME_REPR", "BatchIterator", "ChannelStats", "EngineClient", "open_engine_client", "tls_files"]
+__all__ = ["BatchIterator", "ChannelStats", "EngineClient", "open_engine_client", "tls_files"]
 
 log = logging.getLogger("sidecar.engine")
-
-#: hyperframe's own ``Frame.__repr__``, replaced below (kept for the test that proves the patch is still needed).
-HYPERFRAME_REPR: Final = hyperframe.frame.Frame.__repr__
-
-
-def _cheap_frame_repr(frame: hyperframe.frame.Frame) -> str:
-    return f"{type(frame).__name__}(stream_id={frame.stream_id})"
-
-
-# h2 formats every frame it receives for a trace log that is a no-op unless a logger is configured -- eagerly:
-# ``H2Connection._receive_frame`` calls ``logger.trace("Received frame: %s", repr(frame))``, and hyperframe's repr
-# re-serialises the frame body and hex-dumps it. That is 10-17 % of h2's cost per received ``GenerateResponse``
-# (~1 µs; bench/hotpath.py). Global, but harmless: only debugging output that nobody reads in this process gets shorter.
-# tests/engine/test_frame_repr.py fails once h2 stops doing this, so the patch can be dropped then.
-hyperframe.frame.Frame.__repr__ = _cheap_frame_repr  # type: ignore[method-assign]
-# Lists where each grpclib stream allocated eight deques (~5.5 KiB less per stream; see _grpclib_lean.py).
-_grpclib_lean.install()
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -686,23 +670,27 @@ async def _aio_open_channels(
 ) -> list[PooledChannel]:
     """The Control connection, then ``config.connections`` for ``Generate``."""
     # Channel() binds to the running loop (asyncio.get_event_loop()), hence created here, on the edge thread.
-    grpc_config = Configuration(
-        _keepalive_time=config.keepalive_interval_s,
-        _keepalive_timeout=config.keepalive_timeout_s,
+    grpc_config = grpclib_configuration(
+        keepalive_s=config.keepalive_interval_s,
+        keepalive_timeout_s=config.keepalive_timeout_s,
         # Ping only while streams are open; the engine is local, idle connections need no probing.
-        _keepalive_permit_without_calls=False,
+        keepalive_without_calls=False,
         # grpclib counts pings "without data" by what *we* send; a long receive-only Generate stream would stop
         # being probed after 2 pings. The interval (>= 10 s) already keeps gRPC servers' ping policy happy.
-        _http2_max_pings_without_data=0,
+        max_pings_without_data=0,
         # grpclib's default (300 s) would silently stretch the configured interval.
-        _http2_min_sent_ping_interval_without_data=config.keepalive_interval_s,
-        http2_stream_window_size=config.stream_window_bytes,
-        http2_connection_window_size=config.connection_window_bytes,
+        min_ping_interval_without_data_s=config.keepalive_interval_s,
+        stream_window_bytes=config.stream_window_bytes,
+        connection_window_bytes=config.connection_window_bytes,
     )
     codec = _BoundedProtoCodec(config.max_message_bytes)
-    return [
-        PooledChannel(config.endpoint, codec=codec, config=grpc_config, tls=tls, listener=relay)
-        for _ in range(config.connections + 1)
+    control = PooledChannel(config.endpoint, codec=codec, config=grpc_config, tls=tls, listener=relay)
+    # Only the Generate connections carry direct streams, and only then does the layer's frame splitter run.
+    return [control] + [
+        PooledChannel(
+            config.endpoint, codec=codec, config=grpc_config, tls=tls, listener=relay, direct=config.direct_receive
+        )
+        for _ in range(config.connections)
     ]
 
 
@@ -724,16 +712,7 @@ async def _aio_close_draining(channels: list[PooledChannel]) -> None:
 
 
 async def _aio_channel_stats(channels: list[PooledChannel]) -> list[ChannelStats]:
-    return [
-        ChannelStats(
-            index=i,
-            connected=ch._connected,
-            calls_started=ch._calls_started,
-            calls_succeeded=ch._calls_succeeded,
-            calls_failed=ch._calls_failed,
-        )
-        for i, ch in enumerate(channels)
-    ]
+    return [ChannelStats(i, ch.connected, *ch.counters()) for i, ch in enumerate(channels)]
 
 
 _stream_limit_logged_at = -math.inf  # edge loop only
@@ -742,14 +721,10 @@ _stream_limit_logged_at = -math.inf  # edge loop only
 def _note_stream_limit(rpc: str, channel: PooledChannel) -> None:
     """Log (at most once a minute) when ``channel`` is at the engine's MAX_CONCURRENT_STREAMS: the new stream waits."""
     global _stream_limit_logged_at
-    protocol = channel._protocol
-    if protocol is None:  # not connected yet: the engine's SETTINGS are unknown
+    use = channel.stream_limit()
+    if use is None:  # not connected yet: the engine's SETTINGS are unknown
         return
-    try:  # grpclib internals (tested in tests/engine/test_client_fake.py); a log line is not worth a failed call
-        limit: int = protocol.connection._connection.remote_settings.max_concurrent_streams
-        in_use = len(protocol.processor.streams)  # grpclib's open streams on this connection
-    except AttributeError:
-        return
+    in_use, limit = use
     if in_use < limit:
         return
     now = time.monotonic()
@@ -787,14 +762,17 @@ async def _aio_unary(
     channel: PooledChannel,
 ) -> _R:
     _note_stream_limit(rpc, channel)
+    goaways = channel.goaways_heard
     try:
         try:
             return await method(request, timeout=grpc_timeout_s, metadata=metadata)
         except GoawayRefused:
             # Nothing was sent; the channel has already dropped the draining connection and connects anew.
+            goaways = channel.goaways_heard
             return await method(request, timeout=grpc_timeout_s, metadata=metadata)
     except Exception as exc:
-        error = to_engine_rpc_error(rpc, exc)
+        # A GOAWAY heard by this channel during the call came on the call's connection: it was the current one.
+        error = to_engine_rpc_error(rpc, exc, after_goaway=channel.goaways_heard != goaways)
         if error is None:
             raise
         raise error from exc
@@ -811,10 +789,12 @@ async def _aio_server_stream(
     grpc_timeout_s: float | None,
 ) -> AsyncIterator[Any]:
     _note_stream_limit(rpc, channel)
+    goaways = channel.goaways_heard
     try:
         retry = True
         while True:
             try:
+                goaways = channel.goaways_heard
                 async with channel.request(
                     path,
                     Cardinality.UNARY_STREAM,
@@ -837,7 +817,8 @@ async def _aio_server_stream(
                     raise
                 retry = False
     except Exception as exc:
-        error = to_engine_rpc_error(rpc, exc)
+        # A GOAWAY heard by this channel during the call came on the call's connection: it was the current one.
+        error = to_engine_rpc_error(rpc, exc, after_goaway=channel.goaways_heard != goaways)
         if error is None:
             raise
         raise error from exc

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from ._endpoint import Endpoint
+from sidecar.contract import Endpoint
 
 __all__ = ["MIN_KEEPALIVE_INTERVAL_S", "EngineClientConfig"]
 

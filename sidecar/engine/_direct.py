@@ -3,13 +3,15 @@
 Opt-in (``EngineClientConfig.direct_receive``): ~37 % less client CPU per message in isolation, but end to end on two
 shared cores its smaller batches cost more downstream than it saves (docs/performance.md, third pass).
 
-grpclib still owns the connection (``PooledChannel``, ``GracefulProtocol``: connecting, TLS, keepalive, GOAWAY,
+grpclib still owns the connection (``PooledChannel`` made with ``direct=True``: connecting, TLS, keepalive, GOAWAY,
 h2); what it no longer does for these streams is the per-message part. There, grpclib queued every DATA frame in
 the stream's ``Buffer``, and a task per stream woke for every message to read its 5-byte prefix and body, and our
 pump task forwarded each to trio -- about a third of the sidecar's CPU per engine message (docs/performance.md).
-Here the processor hands a stream's events to its :class:`DirectStream` (``_transport.DirectSink``), which cuts the
-gRPC messages out of the DATA as it arrives, decodes them (upb), and at the end of the read hands everything that
-reads of one loop iteration brought for the stream to trio in one :meth:`~sidecar.edge.Feed.push`.
+Here the processor hands a stream's events to its :class:`DirectStream` (a ``sidecar.http2.DirectSink``), which cuts
+the gRPC messages out of the DATA as it arrives, decodes them (upb), and at the end of the read hands everything that
+reads of one loop iteration brought for the stream to trio in one :meth:`~sidecar.edge.Feed.push`. Everything it
+does to the HTTP/2 stream goes through its ``sidecar.http2.StreamLink``: this module touches no grpclib or h2
+internals.
 
 What grpclib did and this keeps, each tested in ``tests/engine/test_direct.py``:
 
@@ -35,49 +37,29 @@ import asyncio
 import struct
 from typing import TYPE_CHECKING, Any, Final, TypeVarTuple
 
-from grpclib.client import _H2_TO_GRPC_STATUS_MAP
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
-from grpclib.metadata import USER_AGENT, decode_grpc_message, encode_metadata, encode_timeout
-from h2.connection import ConnectionState
-from h2.errors import ErrorCodes
-from h2.exceptions import StreamClosedError, TooManyStreamsError
-from h2.stream import StreamState
+from grpclib.metadata import decode_grpc_message
 
 from sidecar.errors import EngineRpcError, GrpcCode
+from sidecar.http2 import DirectSink, GoawayRefused, StreamLink, grpc_request_headers, grpc_status_of_http
 
-from ._grpclib_lean import LeanEvent
 from ._status import to_engine_rpc_error
-from ._transport import DirectSink, GoawayRefused
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
     from sidecar.edge import Feed
 
-    from ._transport import GracefulProtocol, PooledChannel
+    from ._transport import PooledChannel
 
 __all__ = ["DirectStream", "start_direct_stream"]
 
 _PREFIX: Final = struct.Struct(">BI")  # gRPC message prefix: compressed flag, length
 _GRPC_CONTENT_TYPE: Final = "application/grpc"
-# h2 stream states in which a DATA frame is received without a state change.
-_RECEIVING: Final = frozenset({StreamState.OPEN, StreamState.HALF_CLOSED_LOCAL})
 
 
 Ts = TypeVarTuple("Ts")
-
-
-class _NoWaiter:
-    """``window_updated`` of a stream that is not waiting for send window (grpclib sets it on every stream)."""
-
-    __slots__ = ()
-
-    def set(self) -> None:
-        pass
-
-
-_NO_WAITER: Final = _NoWaiter()
 
 
 def start_direct_stream(
@@ -105,16 +87,7 @@ def start_direct_stream(
             raise GRPCError(
                 Status.RESOURCE_EXHAUSTED, f"request of {len(body)} bytes exceeds the {max_bytes}-byte limit"
             )
-        headers = [
-            (":method", "POST"),
-            (":scheme", channel._scheme),
-            (":path", path),
-            (":authority", channel._authority),
-        ]
-        if timeout_s is not None:
-            headers.append(("grpc-timeout", encode_timeout(timeout_s)))
-        headers.extend((("te", "trailers"), ("content-type", _GRPC_CONTENT_TYPE), ("user-agent", USER_AGENT)))
-        headers.extend(encode_metadata(list(metadata)))
+        headers = grpc_request_headers(channel, path, timeout_s, metadata)
     except Exception as exc:
         stream._fail(exc)
         return
@@ -132,24 +105,21 @@ class DirectStream(DirectSink):
     """One server stream, from the request it sends to the status it ends with (see the module docstring)."""
 
     __slots__ = ("_acks_held", "_decode", "_dirty", "_feed", "_headers_seen", "_max_bytes", "_need", "_partial",
-                 "_pending", "_status", "_to_ack", "channel", "connection", "deadline", "h2", "id", "opening",
-                 "protocol", "released", "rpc", "window_updated")  # fmt: skip
+                 "_pending", "_status", "_to_ack", "channel", "deadline", "link", "opening", "released",
+                 "rpc")  # fmt: skip
 
     def __init__(
         self, feed: Feed[Any], rpc: str, channel: PooledChannel, response_type: type[Any], max_bytes: int
     ) -> None:
+        super().__init__()
         self._feed: Final = feed
         self.rpc: Final = rpc
         self.channel: Final = channel
         self._decode: Final[Callable[[bytes], Any]] = response_type.FromString
         self._max_bytes: Final = max_bytes
-        self.id = 0
-        self.protocol: GracefulProtocol | None = None
-        self.connection: Any = None  # grpclib's Connection
-        self.h2: Any = None  # h2's H2Connection
+        self.link: StreamLink | None = None  # the HTTP/2 stream, once opened
         self.deadline: asyncio.TimerHandle | None = None
         self.opening: asyncio.Task[None] | None = None  # until the request is sent
-        self.window_updated: Any = _NO_WAITER
         self.released = False
         self._pending: list[Any] = []  # decoded, not handed over yet
         self._partial: bytearray | None = None  # the start of a message whose end has not arrived
@@ -168,31 +138,21 @@ class DirectStream(DirectSink):
     ) -> bool:
         """Open the stream without waiting, if the channel is connected and has a slot and room to write; send the
         request too if the window allows. False: nothing was done (:meth:`open` does it all)."""
-        channel = self.channel
-        protocol = channel._protocol
-        if protocol is None or not channel._connected:
+        link = StreamLink.open_now(self.channel, self, headers, self._before(before_open))
+        if link is None:
             return False
-        connection = protocol.processor.connection
-        if not connection.write_ready.is_set():
-            return False
-        if before_open is not None:
-            before_open(self.rpc, channel)
-        h2 = connection._connection
-        try:
-            stream_id = h2.get_next_available_stream_id()
-            h2.send_headers(stream_id, headers, end_stream=False)
-        except (TooManyStreamsError, GoawayRefused):
-            return False
-        self._registered(protocol, stream_id)  # type: ignore[arg-type]
+        self.link = link
         self._feed.on_cancel = self.cancel
-        if h2.local_flow_control_window(stream_id) >= len(data) and h2.max_outbound_frame_size >= len(data):
-            h2.send_data(stream_id, data, end_stream=True)
-            connection.flush()
-            connection.data_send_process()
-        else:
-            connection.flush()
+        if not link.send_now(data):
+            link.flush()  # the headers; the request follows as the window allows
             self.opening = asyncio.get_running_loop().create_task(self._as_opening(self._send_message, data))
         return True
+
+    def _before(self, before_open: Callable[[str, PooledChannel], None] | None) -> Callable[[], None] | None:
+        if before_open is None:
+            return None
+        rpc, channel = self.rpc, self.channel
+        return lambda: before_open(rpc, channel)
 
     async def open(
         self, headers: list[tuple[str, str]], data: bytes, before_open: Callable[[str, PooledChannel], None] | None
@@ -235,62 +195,11 @@ class DirectStream(DirectSink):
     async def _send_headers(
         self, headers: list[tuple[str, str]], before_open: Callable[[str, PooledChannel], None] | None
     ) -> None:
-        protocol: GracefulProtocol = await self.channel.__connect__()  # type: ignore[assignment]
-        connection = protocol.processor.connection
-        h2 = connection._connection
-        if before_open is not None:
-            before_open(self.rpc, self.channel)
-        while True:
-            await connection.write_ready.wait()
-            stream_id = h2.get_next_available_stream_id()  # GoawayRefused once the engine sent GOAWAY
-            try:
-                h2.send_headers(stream_id, headers, end_stream=False)
-            except TooManyStreamsError:
-                # At the engine's MAX_CONCURRENT_STREAMS: wait for a stream of this connection to end (grpclib's way).
-                connection.stream_close_waiter.clear()
-                await connection.stream_close_waiter.wait()
-                continue
-            break
-        self._registered(protocol, stream_id)
-        connection.flush()
-
-    def _registered(self, protocol: GracefulProtocol, stream_id: int) -> None:
-        connection = protocol.processor.connection
-        self.id = stream_id
-        self.protocol = protocol
-        self.connection = connection
-        self.h2 = connection._connection
-        protocol.processor.streams[stream_id] = self  # type: ignore[assignment]  # a DirectSink, see _transport
-        self.channel._calls_started += 1
-        connection.streams_started += 1
-        connection.headers_send_process()
+        self.link = await StreamLink.open(self.channel, self, headers, self._before(before_open))
 
     async def _send_message(self, data: bytes) -> None:
-        connection, h2, stream_id = self.connection, self.h2, self.id
-        position, total = 0, len(data)
-        while not self.released:
-            await connection.write_ready.wait()
-            if self._gone():  # released while waiting (reset, deadline, an early status)
-                return
-            try:
-                window = h2.local_flow_control_window(stream_id)
-                if window <= 0:
-                    self.window_updated = waiter = LeanEvent()
-                    try:
-                        await waiter.wait()
-                    finally:
-                        self.window_updated = _NO_WAITER
-                    continue
-                size = min(window, h2.max_outbound_frame_size, total - position)
-                last = position + size == total
-                h2.send_data(stream_id, data[position : position + size], end_stream=last)
-            except StreamClosedError:
-                return  # the engine ended the stream first (an early error status): its events say how
-            connection.flush()
-            connection.data_send_process()
-            position += size
-            if last:
-                return
+        assert self.link is not None
+        await self.link.send(data, self._gone)
 
     def _gone(self) -> bool:
         return self.released
@@ -302,8 +211,7 @@ class DirectStream(DirectSink):
         fields = dict(headers)
         status = fields.get(":status")
         if status != "200":
-            grpc_status = _H2_TO_GRPC_STATUS_MAP.get(status, Status.UNKNOWN)  # type: ignore[arg-type]
-            self._fail(GRPCError(grpc_status, f"Received :status = {status!r}"), reset=True)
+            self._fail(GRPCError(grpc_status_of_http(status), f"Received :status = {status!r}"), reset=True)
             return
         content_type = fields.get("content-type")
         if content_type is None:
@@ -320,7 +228,7 @@ class DirectStream(DirectSink):
         self._to_ack += flow_controlled_length
         if not self._dirty:
             self._dirty = True
-            self.protocol.dirty.append(self)  # type: ignore[union-attr]
+            self.link.mark_dirty()  # type: ignore[union-attr]
         partial = self._partial
         if partial is not None:
             partial += data
@@ -361,25 +269,7 @@ class DirectStream(DirectSink):
     def take_data_frame(self, length: int) -> bool:
         if not self._headers_seen or self.released:
             return False
-        h2 = self.h2
-        if h2.state_machine.state is not ConnectionState.CLIENT_OPEN or h2.incoming_buffer._headers_buffer:
-            return False  # closing, or a header block awaits CONTINUATION (h2 must refuse the frame)
-        stream = h2.streams.get(self.id)
-        if stream is None or stream.state_machine.state not in _RECEIVING or not stream.state_machine.headers_received:
-            return False
-        window = h2._inbound_flow_control_window_manager
-        stream_window = stream._inbound_window_manager
-        if (
-            window.current_window_size < length
-            or stream_window.current_window_size < length
-            or stream._expected_content_length is not None
-        ):
-            return False  # h2 answers a flow-control breach (or a content-length) its own way
-        # What h2's _receive_data_frame and H2Stream.receive_data do for such a frame, besides making the event.
-        window.current_window_size -= length
-        stream_window.current_window_size -= length
-        stream._actual_content_length += length
-        return True
+        return self.link.accept_data_frame(length)  # type: ignore[union-attr]
 
     def on_trailers(self, headers: list[tuple[str, str]]) -> None:
         self._status = _grpc_status(dict(headers))
@@ -429,14 +319,12 @@ class DirectStream(DirectSink):
         self._acks_held = False
         if not self.released and self._to_ack:
             self._ack()
-            if not self.connection.is_closing():
-                self.connection.flush()
+            self.link.flush()  # type: ignore[union-attr]
 
     def _ack(self) -> None:
+        # h2 queues a WINDOW_UPDATE only once half a window is consumed; it goes out with the protocol's flush.
         size, self._to_ack = self._to_ack, 0
-        # The connection's window always; the stream's while it is open (h2 skips closed streams). The WINDOW_UPDATE
-        # frames it queues (h2 sends one only once half a window is consumed) go out with the protocol's flush.
-        self.h2.acknowledge_received_data(size, self.id)
+        self.link.ack(size)  # type: ignore[union-attr]
 
     def deadline_passed(self) -> None:
         """The stream's deadline (``timeout_s``) passed: DEADLINE_EXCEEDED, as grpclib's deadline raises it."""
@@ -463,7 +351,8 @@ class DirectStream(DirectSink):
     def _fail(self, error: BaseException, *, reset: bool = False, release_later: bool = False) -> None:
         if self.released:
             return
-        mapped = to_engine_rpc_error(self.rpc, error)
+        link = self.link
+        mapped = to_engine_rpc_error(self.rpc, error, after_goaway=link is not None and link.heard_goaway)
         self._finish(mapped if mapped is not None else error)
         if reset:
             self._reset()
@@ -474,15 +363,8 @@ class DirectStream(DirectSink):
             self._release(succeeded=False)
 
     def _reset(self) -> None:
-        h2 = self.h2
-        if h2 is None or self.connection.is_closing() or h2.state_machine.state is ConnectionState.CLOSED:
-            return
-        stream = h2.streams.get(self.id)
-        if stream is None or stream.closed:
-            return
-        h2.reset_stream(self.id, error_code=ErrorCodes.CANCEL)
-        if self.connection.write_ready.is_set():
-            self.connection.flush()
+        if self.link is not None:
+            self.link.reset()
 
     def _release(self, succeeded: bool = True, again: bool = False) -> None:
         if self.released and not again:
@@ -491,23 +373,16 @@ class DirectStream(DirectSink):
         if self.deadline is not None:
             self.deadline.cancel()
             self.deadline = None
-        self.window_updated.set()  # a send waiting for window wakes up and sees the stream released
         opening = self.opening
         if opening is not None and opening is not asyncio.current_task():
             opening.cancel()  # released before the request went out (deadline, an early error status)
-        if self.protocol is None:
+        link = self.link
+        if link is None:
             return  # never opened
-        connection = self.connection
-        self.protocol.processor.streams.pop(self.id, None)
-        connection.stream_close_waiter.set()
-        if not connection.is_closing():
-            if self._to_ack:
-                self._ack()  # the stream is gone; the connection's window must not shrink by its unread bytes
-            connection.flush()
-        if succeeded:
-            self.channel._calls_succeeded += 1
-        else:
-            self.channel._calls_failed += 1
+        link.wake_sender()  # a send waiting for window wakes up and sees the stream released
+        # The stream is gone; the connection's window must not shrink by its unread bytes.
+        unacknowledged, self._to_ack = self._to_ack, 0
+        link.release(unacknowledged, succeeded)
 
 
 def _grpc_status(fields: dict[str, str]) -> BaseException | bool:

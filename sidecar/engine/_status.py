@@ -15,6 +15,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from sidecar.errors import EngineRpcError, GrpcCode
+from sidecar.http2 import GoawayRefused
 
 from ._transport import TransportError
 
@@ -43,8 +44,12 @@ GRPCLIB_STATUS_CODE: Final[dict[Status, GrpcCode]] = {
 }
 
 
-def to_engine_rpc_error(rpc: str, exc: BaseException) -> EngineRpcError | None:
+def to_engine_rpc_error(rpc: str, exc: BaseException, *, after_goaway: bool = False) -> EngineRpcError | None:
     """Translate a failure of ``rpc`` into an :class:`EngineRpcError`, or ``None`` if it is not a transport failure.
+
+    ``after_goaway``: the call's connection had heard the engine's GOAWAY when the failure came. A status the engine
+    sent then is the engine going away (``sidecar.errors.GOING_AWAY_STATUS_KIND``): grpc-core answers a stream that
+    reached it between its two GOAWAYs ``CANCELLED``, a cancellation we did not ask for.
 
     ``None`` is returned for cancellation (``asyncio.CancelledError`` must keep unwinding) and for exceptions that are
     bugs of ours, which must surface as themselves.
@@ -56,7 +61,10 @@ def to_engine_rpc_error(rpc: str, exc: BaseException) -> EngineRpcError | None:
         if code is GrpcCode.OK:
             # A GRPCError never carries OK from grpclib; if it ever did, "OK" as a failure would read as nonsense.
             code = GrpcCode.UNKNOWN
-        return EngineRpcError(rpc, code, exc.message or "")
+        details = exc.message or ""
+        if after_goaway:
+            details = f"{details} (after the engine's GOAWAY: it is going away)".lstrip()
+        return EngineRpcError(rpc, code, details, after_goaway=after_goaway)
     if isinstance(exc, asyncio.CancelledError):
         return None
     # Python 3.11: asyncio.TimeoutError is TimeoutError, an OSError subclass. grpclib's deadline raises it without an
@@ -66,7 +74,7 @@ def to_engine_rpc_error(rpc: str, exc: BaseException) -> EngineRpcError | None:
     if isinstance(exc, StreamTerminatedError):
         # RST_STREAM from the server, GOAWAY, or the connection lost under the stream.
         return EngineRpcError(rpc, GrpcCode.UNAVAILABLE, f"stream terminated: {exc}")
-    if isinstance(exc, TransportError):
+    if isinstance(exc, TransportError | GoawayRefused):
         # Already one sentence for the operator (TLS refusal, bad socket path, GOAWAY), naming what to check.
         return EngineRpcError(rpc, GrpcCode.UNAVAILABLE, str(exc))
     if isinstance(exc, ConnectionRefusedError):

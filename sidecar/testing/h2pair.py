@@ -1,11 +1,13 @@
-"""Two h2 connections talking to each other in memory, configured as grpclib configures them: for measuring and
-testing what h2 does per received frame without sockets or an event loop."""
+"""Two h2 connections talking to each other in memory, configured as grpclib configures them
+(``sidecar.http2.h2_configuration``): for measuring and testing what h2 does per received frame without sockets or an
+event loop."""
 
 from __future__ import annotations
 
-import h2.config
 import h2.connection
 import h2.settings
+
+from sidecar.http2 import h2_configuration
 
 __all__ = ["connected_pair"]
 
@@ -19,13 +21,8 @@ def connected_pair(*, open_window: bool = False) -> tuple[h2.connection.H2Connec
     ``open_window`` raises the client's receive windows to the maximum, so the server can send many frames without
     waiting for WINDOW_UPDATEs.
     """
-
-    def config(client_side: bool) -> h2.config.H2Configuration:
-        return h2.config.H2Configuration(
-            client_side=client_side, header_encoding="ascii", validate_inbound_headers=False
-        )
-
-    client, server = h2.connection.H2Connection(config(True)), h2.connection.H2Connection(config(False))
+    client = h2.connection.H2Connection(h2_configuration(client_side=True))
+    server = h2.connection.H2Connection(h2_configuration(client_side=False))
     client.initiate_connection()
     if open_window:
         client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _WINDOW_MAX})

@@ -126,3 +126,13 @@ def test_a_fresh_install_says_what_it_does_and_prints_no_error(tmp_path: Path) -
     )
     assert mock.returncode == 0, mock.stderr
     assert mock.stdout.startswith("usage: openengine-mock"), mock.stdout
+    # The HTTP/2 layer's canaries pass on what constraints.txt installed.
+    canaries = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/http2/test_canaries.py"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=SETUP.parents[1],
+    )
+    assert canaries.returncode == 0, canaries.stdout[-4000:]

@@ -13,16 +13,13 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import h2.connection
-import h2.stream
 import pytest
 import trio
 
 from openengine.v1 import generation_pb2
 from sidecar.edge import Edge
-from sidecar.engine import Endpoint, EngineClient, EngineClientConfig, _direct, _transport, open_engine_client
+from sidecar.engine import Endpoint, EngineClient, EngineClientConfig, open_engine_client
 from sidecar.errors import EngineRpcError, GrpcCode
-from sidecar.testing.h2pair import connected_pair
 from tests.engine.raw_h2 import RID, Responder, message, raw_engine, token
 from tests.helpers.waits import wait_until
 
@@ -308,48 +305,6 @@ async def test_a_connection_that_cannot_be_made_fails_unavailable(edge: Edge) ->
     assert ids == []
     assert error is not None
     assert error.code is GrpcCode.UNAVAILABLE
-
-
-def test_the_h2_internals_the_direct_path_relies_on_are_there() -> None:
-    """``DirectStream.take_data_frame`` does for a plain DATA frame what h2 does; if h2 renames or moves what it
-    touches, this fails (rather than the fast path silently breaking flow control)."""
-    client, _, stream_id = connected_pair()
-    assert client.state_machine.state is h2.connection.ConnectionState.CLIENT_OPEN
-    assert client.incoming_buffer._headers_buffer == []
-    assert client._inbound_flow_control_window_manager.current_window_size == 65535
-    stream = client.streams[stream_id]
-    assert stream.state_machine.state in _direct._RECEIVING
-    assert stream.state_machine.headers_received is True
-    assert stream._inbound_window_manager.current_window_size == 65535
-    assert stream._expected_content_length is None
-    assert stream._actual_content_length == 0
-    assert _transport._FRAME_HEADER.size == 9
-
-
-def test_a_plain_data_frame_accounted_by_the_direct_path_leaves_h2_as_h2_would() -> None:
-    """The same DATA frame through h2 and through ``take_data_frame``: the same windows and counters after."""
-    via_h2, server, stream_id = connected_pair()
-    server.send_data(stream_id, token(1))
-    frame = server.data_to_send()
-    via_h2.receive_data(frame)
-
-    direct, _, _ = connected_pair()
-    sink = _direct.DirectStream.__new__(_direct.DirectStream)
-    sink.h2 = direct
-    sink.id = stream_id
-    sink.released = False
-    sink._headers_seen = True
-    assert sink.take_data_frame(len(frame) - 9)
-    for conn in (via_h2, direct):
-        assert conn.streams[stream_id].state_machine.state is h2.stream.StreamState.OPEN
-    assert (
-        direct._inbound_flow_control_window_manager.current_window_size
-        == via_h2._inbound_flow_control_window_manager.current_window_size
-        < 65535
-    )
-    ours, theirs = direct.streams[stream_id], via_h2.streams[stream_id]
-    assert ours._inbound_window_manager.current_window_size == theirs._inbound_window_manager.current_window_size
-    assert ours._actual_content_length == theirs._actual_content_length
 
 
 async def _settled(read: Callable[[], int], quiet: float) -> int:

@@ -21,6 +21,7 @@ import trio
 from grpclib.const import Cardinality
 from grpclib.exceptions import StreamTerminatedError
 
+from bench._chaos_net import ProxyLink
 from openengine.v1 import generation_pb2
 from sidecar.engine import EngineClient, EngineClientConfig, open_engine_client, parse_endpoint
 from sidecar.errors import DynamoErrorKind, EngineRpcError, GrpcCode
@@ -201,6 +202,41 @@ async def test_wait_drained_closes_connections_the_engine_keeps_open(edge: Edge)
             assert "GOAWAY" in outcome.error.details
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["grpclib-receive", "direct-receive"])
+async def test_a_stream_that_reaches_the_engine_between_its_goaways_fails_migratable(edge: Edge, direct: bool) -> None:
+    """A request racing the engine's stop: sent before our client heard the first GOAWAY, it reaches grpc-core between
+    its two GOAWAYs and is answered trailers-only CANCELLED. That is the engine going away, not a cancel of ours:
+    the error is migratable (the frontend moves the request), where before it was a client cancel (HTTP 499).
+
+    A proxy holds every byte 300 ms in each direction, so the GOAWAY reaches the client 300 ms after the engine sent
+    it, and a stream opened meanwhile reaches the engine before our PING ACK lets it send the second GOAWAY."""
+    with grpcio_engine(token_s=0.05) as engine, trio.fail_after(60):
+        host, port = engine.target.rsplit(":", 1)
+        link = ProxyLink("127.0.0.1", 0, lambda: (host, int(port)))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(link.run)
+            endpoint = parse_endpoint(f"127.0.0.1:{link.port}")
+            async with connected_client(edge, endpoint, connections=1, direct_receive=direct) as client:
+                running, racing = Outcome(), Outcome()
+                nursery.start_soon(stream, client, "running", 40, running)
+                await wait_until(lambda: running.tokens >= 2)
+                link.delay(300, 0)
+                engine.stop(5.0)
+                await trio.sleep(0.05)  # the engine has sent its first GOAWAY; it is 250 ms away from us
+                assert client.going_away is None
+                await stream(client, "racing", 5, racing)
+                await wait_until(lambda: running.finish_reason is not None or running.error is not None)
+            nursery.cancel_scope.cancel()
+    assert (racing.tokens, racing.finish_reason) == (0, None)
+    error = racing.error
+    assert error is not None
+    assert error.code is GrpcCode.CANCELLED, error
+    assert error.kind is DynamoErrorKind.DISCONNECTED, error
+    assert error.migratable
+    assert error.after_goaway
+    assert (running.tokens, running.error) == (40, None), "the stream open at the stop still ran to its end"
+
+
 # ---------------------------------------------------------------------------------------------- the patch's premises
 
 
@@ -227,7 +263,7 @@ async def _stock_grpclib_stream(target: str, engine: GrpcioEngine) -> tuple[int,
 
 
 async def test_stock_grpclib_still_fails_every_stream_on_goaway(edge: Edge) -> None:
-    # If this fails, grpclib learnt to drain on GOAWAY and sidecar/engine/_transport.py can shrink.
+    # If this fails, grpclib learnt to drain on GOAWAY and sidecar/http2 can shrink.
     with grpcio_engine(token_s=0.02) as engine, trio.fail_after(30):
         tokens, error, failed_after_s = await edge.run(_stock_grpclib_stream, engine.target, engine)
     assert isinstance(error, StreamTerminatedError), error

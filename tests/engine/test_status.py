@@ -12,7 +12,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from sidecar.engine import GRPCLIB_STATUS_CODE, to_engine_rpc_error
-from sidecar.errors import GRPC_STATUS_KIND, EngineRpcError, GrpcCode
+from sidecar.errors import GOING_AWAY_STATUS_KIND, GRPC_STATUS_KIND, DynamoErrorKind, EngineRpcError, GrpcCode
 
 NON_OK = [s for s in Status if s is not Status.OK]
 
@@ -78,3 +78,30 @@ def test_not_ours_passes_through() -> None:
     assert to_engine_rpc_error("Generate", KeyError("bug")) is None
     same = EngineRpcError("Generate", GrpcCode.UNAVAILABLE, "x")
     assert to_engine_rpc_error("Generate", same) is same
+
+
+def test_a_cancelled_status_after_the_engines_goaway_is_the_engine_going_away() -> None:
+    """grpc-core answers a stream that reached it between its two GOAWAYs trailers-only CANCELLED: not a client's
+    cancel (499) but an engine going away, so the frontend migrates the request."""
+    plain = to_engine_rpc_error("Generate", GRPCError(Status.CANCELLED, "CANCELLED"))
+    assert plain is not None
+    assert (plain.kind, plain.migratable, plain.after_goaway) == (DynamoErrorKind.CANCELLED, False, False)
+    going = to_engine_rpc_error("Generate", GRPCError(Status.CANCELLED, "CANCELLED"), after_goaway=True)
+    assert going is not None
+    assert going.code is GrpcCode.CANCELLED
+    assert (going.kind, going.migratable, going.after_goaway) == (DynamoErrorKind.DISCONNECTED, True, True)
+    assert going.details == "CANCELLED (after the engine's GOAWAY: it is going away)"
+
+
+@pytest.mark.parametrize("status", [s for s in NON_OK if s is not Status.CANCELLED], ids=lambda s: s.name)
+def test_other_statuses_after_a_goaway_keep_their_kind(status: Status) -> None:
+    error = to_engine_rpc_error("Generate", GRPCError(status, "why"), after_goaway=True)
+    assert error is not None
+    assert error.kind is GRPC_STATUS_KIND[error.code]
+    assert set(GOING_AWAY_STATUS_KIND) == {GrpcCode.CANCELLED}
+
+
+def test_a_transport_failure_after_a_goaway_is_unchanged() -> None:
+    error = to_engine_rpc_error("Generate", StreamTerminatedError("Connection lost"), after_goaway=True)
+    assert error is not None
+    assert (error.code, error.after_goaway) == (GrpcCode.UNAVAILABLE, False)

@@ -21,6 +21,7 @@ from openengine.v1 import (
     openengine_grpc,
     server_pb2,
 )
+from sidecar.http2 import drop_connection
 
 from .kvcache import BLOCK_HASH_ALGO
 from .kvevents import KvEventFeed, KvFault, Subscription
@@ -116,7 +117,7 @@ async def _unary(stream: Stream[_Req, _Resp], method: str, handle: Callable[[_Re
 
 def _drop_connection(stream: Stream[generation_pb2.GenerateRequest, generation_pb2.GenerateResponse]) -> None:
     """Close the whole HTTP/2 connection under ``stream`` (the client sees a transport loss)."""
-    stream._stream._transport.close()
+    drop_connection(stream)
 
 
 def _check_adapter(adapter: lora_pb2.LoraAdapter) -> None:

@@ -1,28 +1,38 @@
-"""``sidecar.engine._grpclib_lean``: grpclib's streams use the lean classes, and those behave as the asyncio ones do
-for the way grpclib uses them. The engine tests against the mock and the fake run every stream through them."""
+"""The lean-streams tuning (``sidecar.http2.apply_tunings``): once applied, grpclib's streams use the lean classes, and
+those behave as the asyncio ones do for the way grpclib uses them."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import grpclib.protocol
 import pytest
 
-import sidecar.engine  # noqa: F401  (installs the lean classes)
-from sidecar.engine._grpclib_lean import _COMPACT_AFTER, LeanDeque, LeanEvent, LeanQueue
+from sidecar.http2 import LeanDeque, LeanEvent, LeanQueue, apply_tunings, tunings_in_effect, undo_tunings
+from sidecar.http2._tunings import _COMPACT_AFTER
 
 
 def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(test())
 
 
-def test_grpclib_still_builds_its_streams_from_the_names_we_replace() -> None:
+@pytest.fixture
+def lean() -> Iterator[None]:
+    apply_tunings(frame_repr=False)
+    try:
+        yield
+    finally:
+        undo_tunings()
+
+
+@pytest.mark.usefixtures("lean")
+def test_once_applied_grpclib_builds_its_streams_from_the_lean_classes() -> None:
     protocol: Any = grpclib.protocol  # the replaced names are not part of its typed interface
     assert (protocol.Event, protocol.Queue, protocol.deque) == (LeanEvent, LeanQueue, LeanDeque)
+    assert tunings_in_effect() == {"frame_repr": False, "lean_streams": True}
 
     async def build() -> None:
         buffer: Any = protocol.Buffer(lambda size: None)
@@ -116,6 +126,7 @@ def test_a_cancelled_get_leaves_the_queue_usable() -> None:
     run(body)
 
 
+@pytest.mark.usefixtures("lean")
 def test_grpclib_buffer_reads_messages_across_chunks_as_before() -> None:
     """``Buffer.read`` over the lean queue and deque: sizes that split, join and end exactly on chunk boundaries."""
 
@@ -136,17 +147,3 @@ def test_grpclib_buffer_reads_messages_across_chunks_as_before() -> None:
         assert await buffer.read(1) == b""
 
     run(body)
-
-
-@pytest.mark.parametrize("name", ["Event", "Queue", "deque"])
-def test_each_replaced_name_is_used_by_grpclib(name: str) -> None:
-    """A grpclib release that stops using one of these names would leave a patch that does nothing."""
-    source = _protocol_source()
-    assert f"{name}()" in source, f"grpclib.protocol no longer calls {name}(): revisit sidecar/engine/_grpclib_lean.py"
-
-
-@functools.cache
-def _protocol_source() -> str:
-    import inspect
-
-    return inspect.getsource(grpclib.protocol)
