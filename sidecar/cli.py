@@ -13,7 +13,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from sidecar.config import ENDPOINT_TYPES, ConfigError, SidecarConfig
 
@@ -37,8 +37,19 @@ def _positive(kind: Callable[[str], float | int]) -> Callable[[str], float | int
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose refusals are one line: ``openengine-sidecar: error: <flag>: <problem>``, exit status 2.
+
+    argparse's own ``error`` prints the usage first -- forty-odd lines of flags above the one that names the problem.
+    ``--help`` still prints the whole usage.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="openengine-sidecar",
         description=(
             "A Dynamo backend worker that serves one OpenEngine engine (e.g. `trtllm-serve --grpc --grpc-protocol "
@@ -118,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         engine,
         "--expected-schema-release",
         "DYN_SIDECAR_EXPECTED_SCHEMA_RELEASE",
-        "refuse to start unless the engine's schema_release matches this immutable id (prefix match, >= 12 hex)",
+        "refuse to start unless the engine's schema_release matches this immutable id (prefix match, >= 12 hex); an "
+        "engine reporting none is refused too",
     )
     add(
         engine,
@@ -479,7 +491,7 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         raise ConfigError(f"--model-path: no tokenizer.json or tokenizer_config.json in {ns.model_path}")
     tls = _tls_paths(ns)
     # Endpoint syntax is checked by the engine client's parser so both share one rule set.
-    from sidecar.engine import EndpointError, parse_endpoint, unix_path_problem
+    from sidecar.engine import EndpointError, expected_release_problem, parse_endpoint, unix_path_problem
 
     try:
         engine_endpoint = parse_endpoint(ns.grpc_endpoint, tls=tls[0] is not None)
@@ -487,6 +499,11 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         raise ConfigError(f"--grpc-endpoint: {exc}") from None
     if engine_endpoint.path is not None and (problem := unix_path_problem(engine_endpoint.path)) is not None:
         raise ConfigError(f"--grpc-endpoint: {problem}")
+    if (
+        ns.expected_schema_release is not None
+        and (problem := expected_release_problem(ns.expected_schema_release)) is not None
+    ):
+        raise ConfigError(f"--expected-schema-release: {problem}")
     context_length = None if ns.context_length is None else int(_number(ns, "context_length", "--context-length", int))
     _check_control_plane_env(ns)
     _check_system_port(os.environ)

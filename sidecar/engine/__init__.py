@@ -15,6 +15,7 @@ from ._compat import MIN_SERVER_REVISION as MIN_SERVER_REVISION
 from ._compat import PINNED_SCHEMA_RELEASE as PINNED_SCHEMA_RELEASE
 from ._compat import SchemaIncompatible as SchemaIncompatible
 from ._compat import check_server_compat as check_server_compat
+from ._compat import expected_release_problem as expected_release_problem
 from ._compat import release_matches as release_matches
 from ._config import MIN_KEEPALIVE_INTERVAL_S as MIN_KEEPALIVE_INTERVAL_S
 from ._config import EngineClientConfig as EngineClientConfig
@@ -65,6 +66,7 @@ __all__ = [
     "build_tls_context",
     "check_metadata",
     "check_server_compat",
+    "expected_release_problem",
     "open_engine_client",
     "parse_endpoint",
     "release_matches",
