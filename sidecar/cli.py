@@ -416,6 +416,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="text",
         choices=("text", "json"),
     )
+    add(
+        ops,
+        "--dynamo-system-port",
+        "DYN_SIDECAR_DYNAMO_SYSTEM_PORT",
+        "port of Dynamo's own system server, to which the system port relays /metrics, /engine/<control> and the "
+        "model-card files (on DYN_SYSTEM_HOST; at most 32767); 0: a free port the OS picks when Dynamo binds, "
+        "logged. Set it when a firewall or NetworkPolicy must name it (frontends fetch model cards from it); only "
+        "with a system port of the sidecar's own (DYN_SYSTEM_PORT > 0)",
+        default=0,
+    )
     add(ops, "--ops-host", "DYN_SIDECAR_OPS_HOST", "address of the live state page and feed", default="127.0.0.1")
     add(
         ops,
@@ -507,6 +517,7 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
     context_length = None if ns.context_length is None else int(_number(ns, "context_length", "--context-length", int))
     _check_control_plane_env(ns)
     _check_system_port(os.environ)
+    dynamo_system_port = _dynamo_system_port(ns.dynamo_system_port, os.environ)
     for flag, value in (("--namespace", ns.namespace), ("--endpoint", ns.endpoint)):
         if not value or "." in value or "/" in value:
             raise ConfigError(f"{flag}: must be a non-empty name without '.' or '/', got {value!r}")
@@ -565,6 +576,7 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         lora_load_timeout_s=_number(ns, "lora_load_timeout_secs", "--lora-load-timeout-secs", float),
         lora_fetch_timeout_s=_number(ns, "lora_fetch_timeout_secs", "--lora-fetch-timeout-secs", float),
         engine_detokenize=ns.engine_detokenize,
+        dynamo_system_port=dynamo_system_port,
     )
 
 
@@ -619,6 +631,29 @@ def _check_system_port(environ: Mapping[str, str]) -> None:
             f"DYN_SYSTEM_PORT: must be a port in 0..{SYSTEM_PORT_MAX} (Dynamo 1.6.1 reads it as a signed 16-bit "
             f"number), got {raw!r}"
         )
+
+
+def _dynamo_system_port(raw: object, environ: Mapping[str, str]) -> int:
+    """``--dynamo-system-port``: 0 (the OS picks) or a port Dynamo can read, apart from the sidecar's own."""
+    try:
+        port = int(str(raw))
+    except ValueError:
+        port = -1
+    if not 0 <= port <= SYSTEM_PORT_MAX:
+        raise ConfigError(
+            f"--dynamo-system-port: must be a port in 0..{SYSTEM_PORT_MAX} (0: the OS picks; Dynamo 1.6.1 reads "
+            f"DYN_SYSTEM_PORT as a signed 16-bit number), got {raw!r}"
+        )
+    if port:
+        own = environ.get("DYN_SYSTEM_PORT") or "0"
+        if own in ("0", ""):
+            raise ConfigError(
+                "--dynamo-system-port: needs a system port of the sidecar's own (DYN_SYSTEM_PORT > 0), which "
+                "relays to it; with DYN_SYSTEM_PORT unset or 0, Dynamo's system server is the only one"
+            )
+        if int(own) == port:
+            raise ConfigError(f"--dynamo-system-port: {port} is DYN_SYSTEM_PORT, the sidecar's own system port")
+    return port
 
 
 #: Dynamo's own start-up bounds on reaching etcd and NATS (read by the runtime when it is created).

@@ -72,6 +72,8 @@ class SidecarConfig:
     #: ``auto``: ask the engine not to detokenize (``extra.detokenize = false``) when it is known to accept that
     #: (TensorRT-LLM); ``on``: let it detokenize; ``off``: ask any engine not to.
     engine_detokenize: EngineDetokenize = "auto"
+    #: The port of Dynamo's own system server behind the sidecar's system port; 0: the OS picks when Dynamo binds.
+    dynamo_system_port: int = 0
 
 
 class ConfigError(ValueError):

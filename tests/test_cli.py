@@ -174,3 +174,34 @@ def test_help_still_prints_the_whole_usage() -> None:
     assert done.returncode == 0
     assert done.stdout.startswith("usage: openengine-sidecar")
     assert "--grpc-tls-ca" in done.stdout
+
+
+# ------------------------------------------ issue 27 item 9: Dynamo's own system server gets a flag and a DYN_* twin
+
+
+def test_dynamos_system_port_defaults_to_one_the_os_picks_and_has_an_environment_twin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DYN_SYSTEM_PORT", "9090")
+    assert parse_config(base_argv()).dynamo_system_port == 0
+    monkeypatch.setenv("DYN_SIDECAR_DYNAMO_SYSTEM_PORT", "9091")
+    assert parse_config(base_argv()).dynamo_system_port == 9091
+    assert parse_config(base_argv("--dynamo-system-port", "9092")).dynamo_system_port == 9092
+
+
+@pytest.mark.parametrize(
+    ("value", "system_port", "needle"),
+    [
+        ("40000", "9090", "--dynamo-system-port: must be a port in 0..32767"),
+        ("-1", "9090", "--dynamo-system-port: must be a port in 0..32767"),
+        ("ninety", "9090", "--dynamo-system-port: must be a port in 0..32767"),
+        ("9091", "0", "--dynamo-system-port: needs a system port of the sidecar's own"),
+        ("9091", "", "--dynamo-system-port: needs a system port of the sidecar's own"),
+        ("9090", "9090", "--dynamo-system-port: 9090 is DYN_SYSTEM_PORT"),
+    ],
+)
+def test_a_dynamo_system_port_that_cannot_work_is_refused_at_start(
+    value: str, system_port: str, needle: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DYN_SYSTEM_PORT", system_port)
+    assert needle in _one_line_refusal(base_argv("--dynamo-system-port", value), capsys)
