@@ -318,7 +318,10 @@ print_ready() {
   fi
   case "$1" in
     text) echo "try:   curl -sN $(url)/v1/chat/completions -H 'content-type: application/json' \\"
-          echo "         -d '{\"model\":\"$2\",\"stream\":true,\"messages\":[{\"role\":\"user\",\"content\":\"Tell me about the river.\"}]}'" ;;
+          echo "         -d '{\"model\":\"$2\",\"stream\":true,\"messages\":[{\"role\":\"user\",\"content\":\"Tell me about the river.\"}]}'"
+          echo "       structured output (OpenAI's response_format; json_schema needs an engine with xgrammar's modes):"
+          echo "       curl -s $(url)/v1/chat/completions -H 'content-type: application/json' \\"
+          echo "         -d '{\"model\":\"$2\",\"max_tokens\":200,\"messages\":[{\"role\":\"user\",\"content\":\"Where is the river?\"}],\"response_format\":{\"type\":\"json_object\"}}'" ;;
     image-video|audio) echo "try:   python launch/_demo.py ask $(url) $2 --kind $1$([ $mock_engines = 1 ] && echo ' --placeholders')" ;;
   esac
 }
