@@ -618,32 +618,27 @@ def _check_control_plane_env(ns: argparse.Namespace) -> None:
 SYSTEM_PORT_MAX = 32767
 
 
-def _check_system_port(environ: Mapping[str, str]) -> None:
-    raw = environ.get("DYN_SYSTEM_PORT")
-    if not raw:
-        return
-    try:
-        port = int(raw)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= SYSTEM_PORT_MAX:
-        raise ConfigError(
-            f"DYN_SYSTEM_PORT: must be a port in 0..{SYSTEM_PORT_MAX} (Dynamo 1.6.1 reads it as a signed 16-bit "
-            f"number), got {raw!r}"
-        )
-
-
-def _dynamo_system_port(raw: object, environ: Mapping[str, str]) -> int:
-    """``--dynamo-system-port``: 0 (the OS picks) or a port Dynamo can read, apart from the sidecar's own."""
+def _system_port_number(name: str, raw: object, why: str) -> int:
+    """A port Dynamo 1.6.1 can read from ``DYN_SYSTEM_PORT``: 0..32767 (it parses a signed 16-bit number)."""
     try:
         port = int(str(raw))
     except ValueError:
         port = -1
     if not 0 <= port <= SYSTEM_PORT_MAX:
-        raise ConfigError(
-            f"--dynamo-system-port: must be a port in 0..{SYSTEM_PORT_MAX} (0: the OS picks; Dynamo 1.6.1 reads "
-            f"DYN_SYSTEM_PORT as a signed 16-bit number), got {raw!r}"
-        )
+        raise ConfigError(f"{name}: must be a port in 0..{SYSTEM_PORT_MAX} ({why}), got {raw!r}")
+    return port
+
+
+def _check_system_port(environ: Mapping[str, str]) -> None:
+    raw = environ.get("DYN_SYSTEM_PORT")
+    if raw:
+        _system_port_number("DYN_SYSTEM_PORT", raw, "Dynamo 1.6.1 reads it as a signed 16-bit number")
+
+
+def _dynamo_system_port(raw: object, environ: Mapping[str, str]) -> int:
+    """``--dynamo-system-port``: 0 (the OS picks) or a port Dynamo can read, apart from the sidecar's own."""
+    why = "0: the OS picks; Dynamo 1.6.1 reads DYN_SYSTEM_PORT as a signed 16-bit number"
+    port = _system_port_number("--dynamo-system-port", raw, why)
     if port:
         own = environ.get("DYN_SYSTEM_PORT") or "0"
         if own in ("0", ""):

@@ -32,16 +32,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
 import openai
-import pydantic
 import pytest
 from openai.lib._pydantic import to_strict_json_schema
 
 from tests.deploy.sessions import kill_session, session_members
 from tests.deploy.sessions import run_launcher as run_in_session
+from tests.e2e.test_guided import Forecast
 from tests.helpers.processes import free_low_port, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -198,17 +198,6 @@ def test_ctrl_c_in_a_terminal_stops_every_process_in_order(tmp_path: Path) -> No
     assert "SIGTERM received: draining" in sidecar
     assert "draining -> stopped" in sidecar
     assert "quiescence not confirmed" not in sidecar
-
-
-class Day(pydantic.BaseModel):
-    day: int = pydantic.Field(ge=1, le=14)
-    sky: Literal["clear", "cloudy", "rain"]
-
-
-class Forecast(pydantic.BaseModel):
-    city: str
-    days: list[Day]
-    wind_kmh: float
 
 
 def test_the_demo_answers_the_openai_sdks_structured_output(tmp_path: Path) -> None:
