@@ -8,15 +8,16 @@
 # sidecars first (they deregister and drain while their engines still run), then the engines, then the frontend; each
 # tier gets SIGTERM, a grace period, then SIGKILL. With --once the exit status is 0 only if the answer was right, the
 # engines were idle after it and every process exited 0 on SIGTERM.
+[ "${BASH_SOURCE[0]}" != "$0" ] || { echo "$(basename "$0"): sourced by the launchers, not run" >&2; exit 2; }
 . "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 # Shared flags and their defaults; each launcher adds its own.
 model_path="$root/sidecar/testing/mock/model" model_given=0 model_name="" http_port=${DYN_HTTP_PORT:-8000}
-log_dir="" demo=0 once=0 extra=()
-# openengine-mock flags every demo engine gets. The mock's default profile is TensorRT-LLM's server, whose GetLoad
-# reports running requests only; the smoke's check that the engines hold no KV session after the answer reads
-# active_kv_sessions and the served counters, which only the richer engine reports (docs/mock.md, "Profiles").
-mock_common=(--profile full)
+log_dir="" demo=0 once=0 extra=() mock_profile_given=0
+# The demo engines' openengine-mock profile (--mock-profile): TensorRT-LLM's merged server by default, whose guided
+# decoding is xgrammar's (JSON schema, JSON object, regex, EBNF, structural tag), so the OpenAI SDK's structured
+# output works on the demo; full is the richer engine, whose guided decoding has JSON object and choice only.
+mock_profile=trtllm
 
 # common_flag ARGS...: one of the shared flags at $1; sets `taken` to the number of words it used.
 common_flag() {
@@ -25,6 +26,7 @@ common_flag() {
     --served-model-name) need_value "$@"; model_name=$2; taken=2 ;;
     --http-port) need_value "$@"; check_port "$1" "$2"; http_port=$2; taken=2 ;;
     --log-dir) need_value "$@"; log_dir=$2; taken=2 ;;
+    --mock-profile) need_value "$@"; check_mock_profile "$2"; mock_profile=$2; mock_profile_given=1; taken=2 ;;
     --demo) demo=1; taken=1 ;;
     --once) once=1; taken=1 ;;
     -h|--help) usage; exit 0 ;;
@@ -75,6 +77,7 @@ check_disagg() {
 check_engines() {
   if [ "$1" = 1 ]; then
     [ $demo = 0 ] || die "--demo starts openengine-mock engines; drop it to use your own engines"
+    [ $mock_profile_given = 0 ] || die "--mock-profile sets up the demo's openengine-mock engines; drop it to use your own engines"
     [ $model_given = 1 ] || die "a real engine needs --model-path DIR (its tokenizer and chat template)"
     [ -d "$model_path" ] || die "--model-path: not a directory: $model_path"
     [ -n "$model_name" ] || model_name=$(basename "$model_path")
@@ -119,7 +122,8 @@ spawn() {
 }
 
 stop_all() {
-  local status=$? tier i left deadline summary="" unclean=""
+  local status=$? tier i left deadline summary="" unclean="" verdict clean
+  local -a killed=()
   trap - EXIT INT TERM
   set +e   # a child that is already gone must not end the clean-up half-way
   for tier in 1 2 3; do
@@ -137,14 +141,21 @@ stop_all() {
     done
     for i in "${!pids[@]}"; do
       [ "${tiers[$i]}" = "$tier" ] && [ -z "${codes[$i]}" ] || continue
-      kill -KILL "${pids[$i]}" 2>/dev/null && echo "$script: ${names[$i]} did not stop within ${tier_grace[$tier]} s; killed" >&2
+      killed[$i]=0
+      if kill -KILL "${pids[$i]}" 2>/dev/null; then
+        killed[$i]=1
+        echo "$script: ${names[$i]} did not stop within ${tier_grace[$tier]} s; killed" >&2
+      fi
       codes[$i]=0; wait "${pids[$i]}" 2>/dev/null || codes[$i]=$?
     done
   done
   rm -rf "$work"
   for i in "${!pids[@]}"; do
-    summary+="${summary:+, }${names[$i]} ${codes[$i]}"
-    [ "${codes[$i]}" = 0 ] || unclean+="${unclean:+, }${names[$i]}"
+    # Every child here stops with status 0 on SIGTERM; one that ended before the stop (killed[i] unset) is judged
+    # by its status alone.
+    stop_verdict "${names[$i]}" "${codes[$i]}" TERM "${killed[$i]:-0}"
+    summary+="${summary:+, }$verdict"
+    [ "$clean" = 1 ] || unclean+="${unclean:+, }$verdict"
     echo "${names[$i]} ${codes[$i]}" >>"$logs/exit-status"
   done
   end_stop "$status" "$summary" "$unclean"
@@ -189,11 +200,15 @@ start_frontend() {
   spawn frontend 3 python -m dynamo.frontend --http-host 127.0.0.1 --http-port "$http_port" --migration-limit 3 "$@"
 }
 
-# start_mock NAME [openengine-mock flags...]: an openengine-mock on an OS-picked loopback port; sets `engine`.
+# start_mock NAME [openengine-mock flags...]: an openengine-mock on an OS-picked loopback port; sets `engine`. Every
+# demo engine has guided decoding on (its profile's modes) and --load-report full: the smoke's check that the engines
+# hold nothing after the answer reads queued requests and KV sessions, which TensorRT-LLM's GetLoad (running requests
+# only) does not report (docs/mock.md, "Profiles").
 start_mock() {
   local name=$1; shift
   spawn "$name" 2 openengine-mock --host 127.0.0.1 --port 0 --port-file "$work/$name.port" \
-    --served-model-name "$model_name" --model-dir "$model_path" "${mock_common[@]}" "$@"
+    --served-model-name "$model_name" --model-dir "$model_path" \
+    --profile "$mock_profile" --capability guided=true --load-report full "$@"
   wait_until "$name listening" 60 test -s "$work/$name.port"
   engine=$(cat "$work/$name.port")
 }
@@ -303,7 +318,10 @@ print_ready() {
   fi
   case "$1" in
     text) echo "try:   curl -sN $(url)/v1/chat/completions -H 'content-type: application/json' \\"
-          echo "         -d '{\"model\":\"$2\",\"stream\":true,\"messages\":[{\"role\":\"user\",\"content\":\"Tell me about the river.\"}]}'" ;;
+          echo "         -d '{\"model\":\"$2\",\"stream\":true,\"messages\":[{\"role\":\"user\",\"content\":\"Tell me about the river.\"}]}'"
+          echo "       structured output (OpenAI's response_format; json_schema needs an engine with xgrammar's modes):"
+          echo "       curl -s $(url)/v1/chat/completions -H 'content-type: application/json' \\"
+          echo "         -d '{\"model\":\"$2\",\"max_tokens\":200,\"messages\":[{\"role\":\"user\",\"content\":\"Where is the river?\"}],\"response_format\":{\"type\":\"json_object\"}}'" ;;
     image-video|audio) echo "try:   python launch/_demo.py ask $(url) $2 --kind $1$([ $mock_engines = 1 ] && echo ' --placeholders')" ;;
   esac
 }

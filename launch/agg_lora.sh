@@ -7,7 +7,7 @@
 #
 # usage: launch/agg_lora.sh [--demo] [--once] [--engine HOST:PORT --model-path DIR --lora-root DIR --adapter DIR
 #                           [--adapter-name NAME] [--served-model-name NAME]] [--http-port N] [--system-port N]
-#                           [--log-dir DIR] [-- extra openengine-sidecar flags]
+#                           [--log-dir DIR] [--mock-profile NAME] [-- extra openengine-sidecar flags]
 #   --demo               openengine-mock advertising supports_lora, the packaged tiny model and a tiny adapter made
 #                        on the spot in a temporary LoRA root (also the default without --engine); once the adapter
 #                        is listed, stream one chat completion under the adapter's name and print it; keep serving
@@ -32,6 +32,10 @@
 #   --http-port N        the frontend's HTTP port (default 8000, or DYN_HTTP_PORT)
 #   --system-port N      the sidecar's system port: /health, /live, /metrics, /engine/* (default 8081; at most 32767)
 #   --log-dir DIR        write every process's log there (default: a new temporary directory); kept on exit
+#   --mock-profile NAME  the demo engines' openengine-mock profile (docs/mock.md, "Profiles"): trtllm (default),
+#                        TensorRT-LLM's merged server, whose guided decoding is xgrammar's (JSON schema, JSON object,
+#                        regex, EBNF, structural tag: the OpenAI SDK's structured output works); trtllm-newer, with
+#                        its open follow-ups; full, the richer engine (guided decoding: JSON object and choice only)
 # Ctrl-C or SIGTERM stops everything: the sidecar first (it drains), then the engine, then the frontend.
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/_local.sh"

@@ -7,7 +7,7 @@
 #
 # usage: launch/cluster.sh [--loopback] [--frontends N] [--workers N] [--demo] [--once] [--log-dir DIR]
 #                          [--etcd-port N] [--nats-port N] [--http-port N] [--system-port N] [--engine-port N]
-#                          [-- extra openengine-sidecar flags]
+#                          [--mock-profile NAME] [-- extra openengine-sidecar flags]
 #   --loopback         do not create network namespaces even when possible
 #   --frontends N      frontends (1-9, default 2)
 #   --workers N        workers (1-9, default 3)
@@ -22,6 +22,11 @@
 #   --engine-port N    the engines' gRPC port (default 50051)
 #                      Each host has its own address in namespaces, so every frontend, sidecar and engine uses the
 #                      same port there; on loopback the k-th frontend, sidecar and engine use the port + k - 1.
+#   --mock-profile NAME
+#                      the engines' openengine-mock profile (docs/mock.md, "Profiles"): trtllm (default),
+#                      TensorRT-LLM's merged server (guided decoding by xgrammar: JSON schema, JSON object, ...),
+#                      trtllm-newer, or full (guided decoding: JSON object and choice only); KV events over gRPC
+#                      in every case, so the frontends route by the cached prefix
 # Like a supervisor, the script restarts any process that exits (try `kill -9` on etcd, NATS, a frontend or a
 # sidecar; `ps` shows them). Ctrl-C or SIGTERM stops everything in tiers: the sidecars first (they deregister and
 # drain while etcd, NATS and their engines still run), then the frontends and engines, then NATS and etcd; then the
@@ -29,7 +34,7 @@
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
-frontends=2 workers=3 demo=0 once=0 loopback=0 log_dir="" extra=()
+frontends=2 workers=3 demo=0 once=0 loopback=0 log_dir="" extra=() mock_profile=trtllm
 etcd_port=2379 nats_port=4222 http_port=8000 system_port=8081 engine_port=50051
 model_path="$root/sidecar/testing/mock/model" model_name="tiny-oe"
 while [ $# -gt 0 ]; do
@@ -45,6 +50,7 @@ while [ $# -gt 0 ]; do
     --http-port) need_value "$@"; check_port "$1" "$2"; http_port=$2; shift 2 ;;
     --system-port) need_value "$@"; check_port "$1" "$2" 32767; system_port=$2; shift 2 ;;
     --engine-port) need_value "$@"; check_port "$1" "$2"; engine_port=$2; shift 2 ;;
+    --mock-profile) need_value "$@"; check_mock_profile "$2"; mock_profile=$2; shift 2 ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument: $1 (see --help)" ;;
@@ -112,9 +118,15 @@ fe_port() { if [ -n "${ns[fe1]}" ]; then echo "$http_port"; else echo $((http_po
 sys_port() { if [ -n "${ns[w1]}" ]; then echo "$system_port"; else echo $((system_port + ${1#w} - 1)); fi; }
 eng_port() { if [ -n "${ns[w1]}" ]; then echo "$engine_port"; else echo $((engine_port + ${1#w} - 1)); fi; }
 
-# stop_all: in tiers, each SIGTERM, up to 45 s (the sidecars' drain budget) or 10 s, then SIGKILL.
+# How each process is stopped cleanly: SIGTERM, except NATS, which ends with status 1 on SIGTERM and 0 on SIGINT (its
+# clean stop); etcd stops on SIGTERM by re-raising it (status 143), which is its clean stop. Every other process
+# ends with 0.
+declare -A stop_signal=([nats]=INT) dies_by_signal=([etcd]=1)
+
+# stop_all: in tiers, each its stop signal, up to 45 s (the sidecars' drain budget) or 10 s, then SIGKILL. The exit
+# status of each decides the script's (stop_verdict, end_stop).
 stop_all() {
-  local status=$? p left deadline tier killed unclean="" summary=""
+  local status=$? p left deadline tier killed unclean="" summary="" verdict clean
   trap - EXIT INT TERM
   set +e   # a process that is already gone must not end the clean-up half-way
   local -a tier1=() tier2=() tier3=(nats etcd)
@@ -122,7 +134,9 @@ stop_all() {
   for h in "${hosts[@]}"; do [[ $h == fe* ]] && tier2+=("$h"); done
   for tier in 1 2 3; do
     local -n members="tier$tier"
-    for p in "${members[@]}"; do [ -n "${pid[$p]:-}" ] && kill -TERM "${pid[$p]}" 2>/dev/null; done
+    for p in "${members[@]}"; do
+      [ -n "${pid[$p]:-}" ] && kill -"${stop_signal[$p]:-TERM}" "${pid[$p]}" 2>/dev/null
+    done
     deadline=$((SECONDS + $([ $tier = 1 ] && echo 45 || echo 10)))
     while :; do
       left=0
@@ -135,9 +149,9 @@ stop_all() {
       killed=0
       kill -KILL "${pid[$p]}" 2>/dev/null && killed=1 && echo "cluster.sh: $p did not stop in time; killed" >&2
       code[$p]=0; wait "${pid[$p]}" 2>/dev/null || code[$p]=$?
-      summary+="${summary:+, }$p ${code[$p]}"
-      # NATS (1) and etcd (143, it re-raises the signal) end non-zero on SIGTERM by design: only a kill counts.
-      { [ $killed = 1 ] || { [ $tier != 3 ] && [ "${code[$p]}" != 0 ]; }; } && unclean+="${unclean:+, }$p"
+      stop_verdict "$p" "${code[$p]}" "${stop_signal[$p]:-TERM}" "$killed" "${dies_by_signal[$p]:-0}"
+      summary+="${summary:+, }$verdict"
+      [ "$clean" = 1 ] || unclean+="${unclean:+, }$verdict"
     done
     unset -n members
   done
@@ -200,7 +214,7 @@ for h in "${hosts[@]}"; do
   port=$(eng_port "$h")
   # --kv-events grpc: the engines publish KV cache events, so every frontend routes by the cached prefix.
   start "engine-$h" "$h" openengine-mock --host "${addr[$h]}" --port "$port" --served-model-name "$model_name" \
-    --model-dir "$model_path" --kv-events grpc
+    --model-dir "$model_path" --profile "$mock_profile" --capability guided=true --kv-events grpc
   wait_for "engine on $h" "(exec 3<>/dev/tcp/${addr[$h]}/$port) 2>/dev/null"
   start "sidecar-$h" "$h" env DYN_SYSTEM_PORT="$(sys_port "$h")" openengine-sidecar --grpc-endpoint "${addr[$h]}:$port" \
     --model-path "$model_path" --served-model-name "$model_name" --discovery-backend etcd --request-plane nats \

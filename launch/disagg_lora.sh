@@ -9,7 +9,7 @@
 # usage: launch/disagg_lora.sh [--demo] [--once] [--prefill-engine HOST:PORT --decode-engine HOST:PORT
 #                              --model-path DIR --lora-root DIR --adapter DIR [--adapter-name NAME]
 #                              [--served-model-name NAME]] [--http-port N] [--system-ports P,D] [--log-dir DIR]
-#                              [-- extra openengine-sidecar flags, given to both sidecars]
+#                              [--mock-profile NAME] [-- extra openengine-sidecar flags, given to both sidecars]
 #   --demo               two openengine-mock engines (--role prefill / --role decode) advertising supports_lora, the
 #                        packaged tiny model and a tiny adapter made on the spot in a temporary LoRA root (also the
 #                        default without engines); once the adapter is listed, stream one chat completion under its
@@ -36,6 +36,10 @@
 #   --http-port N        the frontend's HTTP port (default 8000, or DYN_HTTP_PORT)
 #   --system-ports P,D   the prefill and decode sidecars' system ports (default 8081,8082; at most 32767)
 #   --log-dir DIR        write every process's log there (default: a new temporary directory); kept on exit
+#   --mock-profile NAME  the demo engines' openengine-mock profile (docs/mock.md, "Profiles"): trtllm (default),
+#                        TensorRT-LLM's merged server, whose guided decoding is xgrammar's (JSON schema, JSON object,
+#                        regex, EBNF, structural tag: the OpenAI SDK's structured output works); trtllm-newer, with
+#                        its open follow-ups; full, the richer engine (guided decoding: JSON object and choice only)
 # Ctrl-C or SIGTERM stops everything: the sidecars first (they drain), then the engines, then the frontend.
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/_local.sh"

@@ -7,7 +7,8 @@
 #
 # usage: launch/disagg_multimodal.sh [--demo] [--once] [--prefill-engine HOST:PORT --decode-engine HOST:PORT
 #                                    --model-path DIR [--served-model-name NAME]] [--http-port N] [--system-ports P,D]
-#                                    [--log-dir DIR] [-- extra openengine-sidecar flags, given to both sidecars]
+#                                    [--log-dir DIR] [--mock-profile NAME]
+#                                    [-- extra openengine-sidecar flags, given to both sidecars]
 #   --demo               two openengine-mock engines (--role prefill / --role decode) advertising supports_multimodal
 #                        and the packaged tiny model (also the default without engines); once both workers are
 #                        ready, stream one chat with an image, a video and a second image (made on the spot, sent
@@ -31,6 +32,10 @@
 #   --http-port N        the frontend's HTTP port (default 8000, or DYN_HTTP_PORT)
 #   --system-ports P,D   the prefill and decode sidecars' system ports (default 8081,8082; at most 32767)
 #   --log-dir DIR        write every process's log there (default: a new temporary directory); kept on exit
+#   --mock-profile NAME  the demo engines' openengine-mock profile (docs/mock.md, "Profiles"): trtllm (default),
+#                        TensorRT-LLM's merged server, whose guided decoding is xgrammar's (JSON schema, JSON object,
+#                        regex, EBNF, structural tag: the OpenAI SDK's structured output works); trtllm-newer, with
+#                        its open follow-ups; full, the richer engine (guided decoding: JSON object and choice only)
 # Ctrl-C or SIGTERM stops everything: the sidecars first (they drain), then the engines, then the frontend.
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/_local.sh"

@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # System packages the full test suite uses: Debian's Chromium (the ops page's browser test), etcd and NATS (the
 # distributed control-plane tests). Needs root (CI runs as root); without it, those tests skip and say why.
+#
+# usage: launch/setup-system.sh [-h|--help]
+#   takes no flags; as root with apt-get: apt-get update, then installs whichever of chromium, etcd-server and
+#   nats-server is missing and stops the etcd and nats-server services Debian starts (the tests start their own);
+#   otherwise it says what it skips and exits 0
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/_usage.sh"
+no_flags "$@"
 packages=(chromium etcd-server nats-server)
 missing=()
 for pkg in "${packages[@]}"; do

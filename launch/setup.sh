@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment at .venv and install everything pinned, saying what it does
 # (about two minutes on a fresh machine). Used by the README's two commands and by CI; safe to run again (pip skips
-# what is installed). OPENENGINE_VENV=DIR puts the environment elsewhere (the tests install into a scratch one).
+# what is installed).
+#
+# usage: launch/setup.sh [-h|--help]
+#   takes no flags; the environment may set
+#   OPENENGINE_VENV=DIR  put the environment there instead of .venv (the tests install into a scratch one)
+#   PYTHON=EXE           create it with this Python 3.11 (default: python3.11, else python3)
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/_usage.sh"
+no_flags "$@"
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 venv=${OPENENGINE_VENV:-.venv}

@@ -13,7 +13,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from sidecar.config import ENDPOINT_TYPES, ConfigError, SidecarConfig
 
@@ -37,8 +37,19 @@ def _positive(kind: Callable[[str], float | int]) -> Callable[[str], float | int
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose refusals are one line: ``openengine-sidecar: error: <flag>: <problem>``, exit status 2.
+
+    argparse's own ``error`` prints the usage first -- forty-odd lines of flags above the one that names the problem.
+    ``--help`` still prints the whole usage.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="openengine-sidecar",
         description=(
             "A Dynamo backend worker that serves one OpenEngine engine (e.g. `trtllm-serve --grpc --grpc-protocol "
@@ -118,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         engine,
         "--expected-schema-release",
         "DYN_SIDECAR_EXPECTED_SCHEMA_RELEASE",
-        "refuse to start unless the engine's schema_release matches this immutable id (prefix match, >= 12 hex)",
+        "refuse to start unless the engine's schema_release matches this immutable id (prefix match, >= 12 hex); an "
+        "engine reporting none is refused too",
     )
     add(
         engine,
@@ -414,6 +426,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="text",
         choices=("text", "json"),
     )
+    add(
+        ops,
+        "--dynamo-system-port",
+        "DYN_SIDECAR_DYNAMO_SYSTEM_PORT",
+        "port of Dynamo's own system server, to which the system port relays /metrics, /engine/<control> and the "
+        "model-card files (on DYN_SYSTEM_HOST; at most 32767); 0: a free port the OS picks when Dynamo binds, "
+        "logged. Set it when a firewall or NetworkPolicy must name it (frontends fetch model cards from it); only "
+        "with a system port of the sidecar's own (DYN_SYSTEM_PORT > 0)",
+        default=0,
+    )
     add(ops, "--ops-host", "DYN_SIDECAR_OPS_HOST", "address of the live state page and feed", default="127.0.0.1")
     add(
         ops,
@@ -489,7 +511,7 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         raise ConfigError(f"--model-path: no tokenizer.json or tokenizer_config.json in {ns.model_path}")
     tls = _tls_paths(ns)
     # Endpoint syntax is checked by the engine client's parser so both share one rule set.
-    from sidecar.engine import EndpointError, parse_endpoint, unix_path_problem
+    from sidecar.engine import EndpointError, expected_release_problem, parse_endpoint, unix_path_problem
 
     try:
         engine_endpoint = parse_endpoint(ns.grpc_endpoint, tls=tls[0] is not None)
@@ -497,9 +519,15 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         raise ConfigError(f"--grpc-endpoint: {exc}") from None
     if engine_endpoint.path is not None and (problem := unix_path_problem(engine_endpoint.path)) is not None:
         raise ConfigError(f"--grpc-endpoint: {problem}")
+    if (
+        ns.expected_schema_release is not None
+        and (problem := expected_release_problem(ns.expected_schema_release)) is not None
+    ):
+        raise ConfigError(f"--expected-schema-release: {problem}")
     context_length = None if ns.context_length is None else int(_number(ns, "context_length", "--context-length", int))
     _check_control_plane_env(ns)
     _check_system_port(os.environ)
+    dynamo_system_port = _dynamo_system_port(ns.dynamo_system_port, os.environ)
     for flag, value in (("--namespace", ns.namespace), ("--endpoint", ns.endpoint)):
         if not value or "." in value or "/" in value:
             raise ConfigError(f"{flag}: must be a non-empty name without '.' or '/', got {value!r}")
@@ -561,6 +589,7 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         total_kv_blocks=None
         if ns.total_kv_blocks is None
         else int(_number(ns, "total_kv_blocks", "--total-kv-blocks", int)),
+        dynamo_system_port=dynamo_system_port,
     )
 
 
@@ -602,19 +631,37 @@ def _check_control_plane_env(ns: argparse.Namespace) -> None:
 SYSTEM_PORT_MAX = 32767
 
 
-def _check_system_port(environ: Mapping[str, str]) -> None:
-    raw = environ.get("DYN_SYSTEM_PORT")
-    if not raw:
-        return
+def _system_port_number(name: str, raw: object, why: str) -> int:
+    """A port Dynamo 1.6.1 can read from ``DYN_SYSTEM_PORT``: 0..32767 (it parses a signed 16-bit number)."""
     try:
-        port = int(raw)
+        port = int(str(raw))
     except ValueError:
         port = -1
     if not 0 <= port <= SYSTEM_PORT_MAX:
-        raise ConfigError(
-            f"DYN_SYSTEM_PORT: must be a port in 0..{SYSTEM_PORT_MAX} (Dynamo 1.6.1 reads it as a signed 16-bit "
-            f"number), got {raw!r}"
-        )
+        raise ConfigError(f"{name}: must be a port in 0..{SYSTEM_PORT_MAX} ({why}), got {raw!r}")
+    return port
+
+
+def _check_system_port(environ: Mapping[str, str]) -> None:
+    raw = environ.get("DYN_SYSTEM_PORT")
+    if raw:
+        _system_port_number("DYN_SYSTEM_PORT", raw, "Dynamo 1.6.1 reads it as a signed 16-bit number")
+
+
+def _dynamo_system_port(raw: object, environ: Mapping[str, str]) -> int:
+    """``--dynamo-system-port``: 0 (the OS picks) or a port Dynamo can read, apart from the sidecar's own."""
+    why = "0: the OS picks; Dynamo 1.6.1 reads DYN_SYSTEM_PORT as a signed 16-bit number"
+    port = _system_port_number("--dynamo-system-port", raw, why)
+    if port:
+        own = environ.get("DYN_SYSTEM_PORT") or "0"
+        if own in ("0", ""):
+            raise ConfigError(
+                "--dynamo-system-port: needs a system port of the sidecar's own (DYN_SYSTEM_PORT > 0), which "
+                "relays to it; with DYN_SYSTEM_PORT unset or 0, Dynamo's system server is the only one"
+            )
+        if int(own) == port:
+            raise ConfigError(f"--dynamo-system-port: {port} is DYN_SYSTEM_PORT, the sidecar's own system port")
+    return port
 
 
 #: Dynamo's own start-up bounds on reaching etcd and NATS (read by the runtime when it is created).

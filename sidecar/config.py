@@ -75,6 +75,8 @@ class SidecarConfig:
     #: ``--total-kv-blocks``: the engine's KV pool in blocks for the model card, when the engine reports none
     #: (TensorRT-LLM) or to correct it; Dynamo's overload filter compares the published KV usage with it.
     total_kv_blocks: int | None = None
+    #: The port of Dynamo's own system server behind the sidecar's system port; 0: the OS picks when Dynamo binds.
+    dynamo_system_port: int = 0
 
 
 class ConfigError(ValueError):

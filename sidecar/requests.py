@@ -37,6 +37,7 @@ migration goes to another worker instead of back to this one.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -505,8 +506,13 @@ class RequestServer:
         silent_s = trio.current_time() - self._last_batch_at
         if self.on_stall is None or silent_s < serving.inactivity_timeout_s:
             return  # other requests got tokens meanwhile: this request is stuck, not the engine
+        # Before the first token the silence has no start (-inf): say that, not "for infs".
+        if math.isfinite(silent_s):
+            silence = f"nothing from the engine for {silent_s:.3g}s"
+        else:
+            silence = "no token ever received from the engine"
         with trio.CancelScope(shield=True), trio.move_on_after(_STALL_REPORT_S):
-            await self.on_stall(f"engine not producing: nothing from the engine for {silent_s:.3g}s ({error})")
+            await self.on_stall(f"engine not producing: {silence} ({error})")
 
 
 @dataclass(slots=True)

@@ -172,7 +172,13 @@ class Worker:
                         host = os.environ.get("DYN_SYSTEM_HOST") or LOOPBACK_DEFAULTS["DYN_SYSTEM_HOST"]
                         # A LoRA load answers once the adapter is fetched and loaded: the relay waits that long.
                         control_s = config.lora_fetch_timeout_s + config.lora_load_timeout_s + 30.0
-                        self._system_port = SystemPort(self.lifecycle, host, port, control_timeout_s=control_s)
+                        self._system_port = SystemPort(
+                            self.lifecycle,
+                            host,
+                            port,
+                            control_timeout_s=control_s,
+                            dynamo_port=config.dynamo_system_port,
+                        )
                         await top.start(self._system_port.run)
                         # Dynamo's runtime binds its own system server behind ours; set now, while no runtime thread
                         # reads the environment.
@@ -292,7 +298,7 @@ class Worker:
         dynamo.set_health(life.state == "serving")
         await dynamo.add_system_route(LIVE_ROUTE, live)
         if self._system_port is not None:
-            self._system_port.forward_to_dynamo()
+            self._system_port.forward_to_dynamo(await dynamo.system_server_port())
 
     def _registration(self, discovery: Discovery) -> Registration:
         """The model card: ``registration_for``, in KV-routing mode when the routing plan says events flow."""

@@ -549,6 +549,25 @@ async def test_an_engine_not_producing_makes_the_worker_withdraw_before_the_erro
     assert order[0].startswith("withdrawn: engine not producing: nothing from the engine for 3s")
 
 
+async def test_an_engine_that_never_sent_a_token_is_reported_as_such_not_as_silent_for_infs(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Issue 27 item 9: before the first token ever, the silence has no start; the report said "for infs"."""
+    engine = ScriptedEngine([(0.0, None)])
+    server = make_server(engine, inactivity=3.0)
+    reasons: list[str] = []
+
+    async def withdraw(reason: str) -> None:
+        reasons.append(reason)
+
+    server.on_stall = withdraw
+    with pytest.raises(HungEngine):
+        await collect(server, request())
+    (reason,) = reasons
+    assert reason.startswith("engine not producing: no token ever received from the engine ("), reason
+    assert "inf" not in reason.split("(")[0]
+
+
 class ByRequest:
     """One engine client whose requests each play their own script (chosen by request id)."""
 

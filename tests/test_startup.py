@@ -14,6 +14,7 @@ from sidecar.startup import (
     Discovery,
     StartupRefused,
     check_unchanged,
+    discover,
     registration_for,
     resolve_context_length,
     resolve_role,
@@ -121,3 +122,31 @@ def test_every_dynamo_listener_defaults_to_loopback_unless_set() -> None:
     assert env["DYN_TCP_RPC_HOST"] == "10.1.2.3", "an operator's choice stands"
     assert set(applied) == set(LOOPBACK_DEFAULTS) - {"DYN_TCP_RPC_HOST"}
     assert all(env[name] == "127.0.0.1" for name in applied)
+
+
+class _Engine:
+    """Discovery's two RPCs, answered from fixed messages."""
+
+    def __init__(self, server: ServerInfo, info: ModelInfo) -> None:
+        self.server, self.info = server, info
+
+    async def get_server_info(self) -> ServerInfo:
+        return self.server
+
+    async def get_model_info(self, model: str) -> ModelInfo:
+        del model
+        return self.info
+
+
+@pytest.mark.parametrize("release", ["", "   "])
+async def test_an_expected_schema_release_refuses_an_engine_that_reports_none(release: str) -> None:
+    """``--expected-schema-release`` is an assertion: an engine reporting an empty release (TensorRT-LLM without its
+    bindings metadata) cannot be shown to match it. Without the flag the same engine is accepted with a warning."""
+    found = discovery()
+    found.server.schema_release = release
+    engine = _Engine(found.server, found.model_info)
+    argv = ["--grpc-endpoint", "127.0.0.1:1", "--model-path", str(MODEL_DIR), "--context-length", "2048"]
+    assert (await discover(engine, parse_config(argv))).model == "tiny"  # type: ignore[arg-type]
+    expecting = parse_config([*argv, "--expected-schema-release", "768a93c7b44e"])
+    with pytest.raises(StartupRefused, match="empty schema_release, so it cannot be shown to match the expected"):
+        await discover(engine, expecting)  # type: ignore[arg-type]

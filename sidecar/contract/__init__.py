@@ -11,6 +11,7 @@ from .schema import MIN_SERVER_REVISION as MIN_SERVER_REVISION
 from .schema import PINNED_SCHEMA_RELEASE as PINNED_SCHEMA_RELEASE
 from .schema import SchemaIncompatible as SchemaIncompatible
 from .schema import check_server_compat as check_server_compat
+from .schema import expected_release_problem as expected_release_problem
 from .schema import release_matches as release_matches
 
 __all__ = [

@@ -2,8 +2,10 @@
 
 The client is generated from OpenEngine v0.1.0 (Buf commit ``768a93c7b44e40f28c692ad0b471a8f2``). A server must
 report an *immutable* release id: TensorRT-LLM's baseline sends the 12-hex prefix ``768a93c7b44e``, newer builds the
-full 32-hex id, and an empty string when its bindings metadata is missing — all accepted (the last with a warning).
-A moving name (``main``, ``v0.2.0``) is refused: it says nothing about the bytes on the wire.
+full 32-hex id, and an empty string when its bindings metadata is missing — all accepted (the last with a warning),
+unless the operator asserts a release (``--expected-schema-release``): an engine that names none cannot be shown to
+match it, so it is refused. A moving name (``main``, ``v0.2.0``) is refused: it says nothing about the bytes on the
+wire.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ __all__ = [
     "PINNED_SCHEMA_RELEASE",
     "SchemaIncompatible",
     "check_server_compat",
+    "expected_release_problem",
     "release_matches",
 ]
 
@@ -46,6 +49,16 @@ def release_matches(a: str, b: str) -> bool:
     return a.startswith(b) or b.startswith(a)
 
 
+def expected_release_problem(text: str) -> str | None:
+    """Why ``text`` cannot be an expected release (``--expected-schema-release``), or ``None`` if it can."""
+    if _is_release_id(text.strip().lower()):
+        return None
+    return (
+        f"{text!r} is not an immutable release id (hex, at least {_MIN_RELEASE_HEX} digits, "
+        f"e.g. {PINNED_SCHEMA_RELEASE})"
+    )
+
+
 def check_server_compat(
     server_info: ServerInfo,
     *,
@@ -58,14 +71,13 @@ def check_server_compat(
       ``minimum_client_revision`` ≤ :data:`CLIENT_REVISION`.
     * ``schema_release`` must be :data:`PINNED_SCHEMA_RELEASE` or a hex prefix of it (≥ 12 hex); empty is accepted
       with a warning. A different immutable id is refused unless it matches ``expected_release``.
-    * ``expected_release``, when given, is an assertion: a non-empty server release must match it (by prefix).
+    * ``expected_release``, when given, is an assertion: the server release must match it (by prefix); an empty one
+      is refused (nothing shows that the engine speaks the expected release).
     * ``expected_engine``, when given, must equal ``ServerInfo.engine_name``.
     """
     warnings: list[str] = []
-    if expected_release is not None and not _is_release_id(expected_release.lower()):
-        raise ValueError(
-            f"expected_release {expected_release!r} is not an immutable release id (hex, at least {_MIN_RELEASE_HEX})"
-        )
+    if expected_release is not None and (problem := expected_release_problem(expected_release)) is not None:
+        raise ValueError(f"expected_release {problem}")
     revision = server_info.schema_revision
     if revision < MIN_SERVER_REVISION:
         raise SchemaIncompatible(
@@ -83,6 +95,12 @@ def check_server_compat(
         )
 
     release = server_info.schema_release.strip().lower()
+    if not release and expected_release is not None:
+        raise SchemaIncompatible(
+            f"server reports an empty schema_release, so it cannot be shown to match the expected "
+            f"{expected_release.strip().lower()} (TensorRT-LLM without its bindings metadata?); drop the expected "
+            "schema release to accept it"
+        )
     if not release:
         warnings.append(
             "server reports an empty schema_release (TensorRT-LLM without its bindings metadata?);"
@@ -94,7 +112,7 @@ def check_server_compat(
             f" (need at least {_MIN_RELEASE_HEX} hex digits, e.g. {PINNED_SCHEMA_RELEASE})"
         )
     elif expected_release is not None:
-        if not release_matches(release, expected_release):
+        if not release_matches(release, expected_release.strip()):
             raise SchemaIncompatible(
                 f"server schema_release {release} does not match the expected {expected_release.lower()}"
             )

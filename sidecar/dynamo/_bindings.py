@@ -260,6 +260,13 @@ def set_health(runtime: DistributedRuntime, ready: bool) -> None:
     runtime.set_health_status(ready)
 
 
+async def system_server_url(runtime: DistributedRuntime) -> str | None:
+    """``http://host:port`` of the runtime's system server (the port it bound, an OS-picked one for
+    ``DYN_SYSTEM_PORT=0``), ``None`` when it started none. In Dynamo 1.6.1's binding, not in its ``_core.pyi``."""
+    url = runtime.system_status_server_url()  # type: ignore[attr-defined]
+    return str(url) if url else None
+
+
 async def export_metrics(endpoint: Endpoint, exposition: Callable[[], str], typed: Callable[[], list[Any]]) -> None:
     """Add our metrics to the system port: ``exposition`` is appended to ``/metrics`` at every scrape (called on a
     runtime thread, with the GIL), ``typed`` feeds Dynamo's OTLP export (``dynamo/prometheus_metrics.pyi``)."""

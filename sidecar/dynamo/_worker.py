@@ -593,6 +593,11 @@ class DynamoWorker:
         with suppress(RuntimeError):  # the edge loop has closed: so has the runtime and its port
             self._edge.loop.call_soon_threadsafe(b.set_health, self._runtime, ready)
 
+    async def system_server_port(self) -> int | None:
+        """The port Dynamo's own system server bound (one the OS picked for ``DYN_SYSTEM_PORT=0``); ``None``: none."""
+        url = await self._edge.run(b.system_server_url, self._runtime)
+        return urlsplit(url).port if url else None
+
     async def add_system_route(self, name: str, route: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> None:
         """``GET``/``POST /engine/<name>`` on the system port: ``route(body)`` (an asyncio coroutine function, run on
         the edge loop -- it must not block) answers with a JSON object, 200."""

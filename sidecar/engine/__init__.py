@@ -12,6 +12,7 @@ from sidecar.contract import Endpoint as Endpoint
 from sidecar.contract import EndpointError as EndpointError
 from sidecar.contract import SchemaIncompatible as SchemaIncompatible
 from sidecar.contract import check_server_compat as check_server_compat
+from sidecar.contract import expected_release_problem as expected_release_problem
 from sidecar.contract import parse_endpoint as parse_endpoint
 from sidecar.contract import release_matches as release_matches
 from sidecar.edge import StreamIdle as StreamIdle
@@ -66,6 +67,7 @@ __all__ = [
     "build_tls_context",
     "check_metadata",
     "check_server_compat",
+    "expected_release_problem",
     "open_engine_client",
     "parse_endpoint",
     "release_matches",

@@ -10,8 +10,17 @@ The system port (``DYN_SYSTEM_HOST``:``DYN_SYSTEM_PORT``) is the sidecar's from 
 
 Everything else is Dynamo's. Its runtime serves ``/metrics`` (its ``dynamo_component_*`` families and ours),
 ``/engine/<control>`` (the LoRA controls), the self-hosted model-card files and whatever else it has on a second
-port: the sidecar picks a free one on the same host below 32768 (Dynamo 1.6.1 reads ``DYN_SYSTEM_PORT`` as a signed
-16-bit number), holds it until right before the runtime is created, and hands it over through ``DYN_SYSTEM_PORT``.
+port on the same host, handed to it through ``DYN_SYSTEM_PORT`` when the runtime is created:
+
+* by default ``0``: the OS picks a free port from its ephemeral range when Dynamo binds (Dynamo 1.6.1 reads
+  ``DYN_SYSTEM_PORT`` as a signed 16-bit number, but the value it reads is 0, so the bound port may be above 32767),
+  and the worker asks the runtime which one (``DistributedRuntime.system_status_server_url``). Nothing is reserved
+  beforehand, so nothing can race for it, and no port another service of the host expects is taken (the sidecar used
+  to draw one at random from 20000-32767: a fixed port of some other service, a NodePort, could be it);
+* ``--dynamo-system-port N`` (``DYN_SIDECAR_DYNAMO_SYSTEM_PORT``), for a firewall or NetworkPolicy that must name it:
+  bound here at start (a port in use is a one-line refusal before the engine is contacted) and held until right
+  before the runtime is created.
+
 Once the runtime exists the sidecar relays every other request there (``sidecar.ops.forward``: method, path, query,
 headers, body; the answer streamed back; 502/504 in one line when Dynamo's server does not answer). Before the
 runtime exists (the engine is being connected, discovered, awaited -- minutes while weights load, or up to the
@@ -33,10 +42,8 @@ pod readiness (our ``/health``), not behind the port.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
-import random
 import socket
 from typing import TYPE_CHECKING, Any, Final
 
@@ -83,18 +90,30 @@ def liveness(worker: WorkerLifecycle) -> dict[str, Any]:
 class SystemPort:
     """The system port, served by the sidecar for the worker's whole life; Dynamo's server sits behind it.
 
-    Use: ``await nursery.start(port.run)`` (binds the port and reserves Dynamo's; :class:`OSError` with one line when
-    either cannot be had), put :meth:`dynamo_environment` into ``os.environ`` before Dynamo's runtime is created,
-    :meth:`release_dynamo_port` right before creating it, :meth:`forward_to_dynamo` once it exists and
-    :meth:`answer_alone` once it has shut down.
+    Use: ``await nursery.start(port.run)`` (binds the port, and Dynamo's when ``dynamo_port`` names one;
+    :class:`OSError` with one line when either cannot be had), put :meth:`dynamo_environment` into ``os.environ``
+    before Dynamo's runtime is created, :meth:`release_dynamo_port` right before creating it,
+    :meth:`forward_to_dynamo` with the port the runtime bound once it exists and :meth:`answer_alone` once it has
+    shut down.
     """
 
-    def __init__(self, worker: WorkerLifecycle, host: str, port: int, *, control_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        worker: WorkerLifecycle,
+        host: str,
+        port: int,
+        *,
+        control_timeout_s: float = 60.0,
+        dynamo_port: int = 0,
+    ) -> None:
         self._worker: Final = worker
         self.host: Final = host
         self.port: Final = port
         #: How long an ``/engine/<control>`` may take to answer (a LoRA load fetches and loads the adapter).
         self.control_timeout_s: Final = control_timeout_s
+        #: The port asked for Dynamo's server (``--dynamo-system-port``); 0: the OS picks when Dynamo binds.
+        self.dynamo_port_asked: Final = dynamo_port
+        #: The port Dynamo's server listens on, once known (:meth:`forward_to_dynamo`); 0 before.
         self.dynamo_port = 0
         self._reservation: socket.socket | None = None
         self._forwarding = False
@@ -106,16 +125,20 @@ class SystemPort:
             reason = exc.strerror or str(exc)
             raise OSError(exc.errno, f"DYN_SYSTEM_PORT {self.port} on {self.host}: {reason}") from None
         try:
-            self._reservation = _reserve_port(self.host)
-            self.dynamo_port = int(self._reservation.getsockname()[1])
+            if self.dynamo_port_asked:
+                self._reservation = _reserve_port(self.host, self.dynamo_port_asked)
             bound = listeners[0].socket.getsockname()
+            behind = (
+                f"on {self.host}:{self.dynamo_port_asked} (--dynamo-system-port)"
+                if self.dynamo_port_asked
+                else f"on {self.host}, on a port the OS picks"
+            )
             log.info(
-                "system port %s:%s: /health and /live answered by the sidecar, everything else relayed to Dynamo's "
-                "system server on %s:%s once its runtime runs",
+                "system port %s:%s: /health and /live answered by the sidecar; Dynamo's system server will listen "
+                "behind it %s once its runtime runs",
                 self.host,
                 bound[1],
-                self.host,
-                self.dynamo_port,
+                behind,
             )
             task_status.started((str(bound[0]), int(bound[1])))
             await trio.serve_listeners(self._handle, listeners)
@@ -125,8 +148,8 @@ class SystemPort:
                 await trio.aclose_forcefully(listener)
 
     def dynamo_environment(self) -> dict[str, str]:
-        """What Dynamo's runtime reads to bind its own system server on the port reserved for it."""
-        return {"DYN_SYSTEM_HOST": self.host, "DYN_SYSTEM_PORT": str(self.dynamo_port)}
+        """What Dynamo's runtime reads to bind its own system server: the port asked for, or 0 (the OS picks)."""
+        return {"DYN_SYSTEM_HOST": self.host, "DYN_SYSTEM_PORT": str(self.dynamo_port_asked)}
 
     def release_dynamo_port(self) -> None:
         """Free the reserved port for Dynamo's runtime, which binds it when it is created (idempotent)."""
@@ -134,8 +157,34 @@ class SystemPort:
             self._reservation.close()
             self._reservation = None
 
-    def forward_to_dynamo(self) -> None:
-        """Dynamo's server listens: relay everything but readiness and liveness to it."""
+    def forward_to_dynamo(self, bound: int | None) -> None:
+        """Dynamo's server listens on ``bound`` (what its runtime reports; ``None``: it reports none): relay
+        everything but readiness and liveness to it. Without a port to relay to, the sidecar keeps answering alone
+        (``/metrics`` with its own families; a warning says why)."""
+        port = bound or self.dynamo_port_asked
+        if not port:
+            log.warning(
+                "system port %s:%s: Dynamo's runtime reports no system server of its own; /metrics keeps the "
+                "sidecar's families alone and Dynamo's routes (/engine/<control>) are not served",
+                self.host,
+                self.port,
+            )
+            return
+        if self.dynamo_port_asked and bound and bound != self.dynamo_port_asked:
+            log.warning(
+                "Dynamo's system server listens on %s, not on the --dynamo-system-port %s asked",
+                bound,
+                self.dynamo_port_asked,
+            )
+        self.dynamo_port = port
+        log.info(
+            "system port %s:%s: /health and /live answered by the sidecar, everything else relayed to Dynamo's "
+            "system server on %s:%s",
+            self.host,
+            self.port,
+            self.host,
+            port,
+        )
         self._forwarding = True
 
     def answer_alone(self) -> None:
@@ -193,27 +242,21 @@ class SystemPort:
 _OWN_PATHS: Final = frozenset({"/health", "/live", f"/engine/{LIVE_ROUTE}"})
 #: How long Dynamo's server may take to start answering anything but an ``/engine/`` control (``/metrics``, ...).
 _ANSWER_TIMEOUT_S: Final = 30.0
-# Dynamo 1.6.1 reads DYN_SYSTEM_PORT as a signed 16-bit number; below the kernel's default ephemeral range (32768+),
-# where only explicit binds take ports.
-_DYNAMO_PORTS: Final = range(20000, 32768)
 
 
 def _allow(status: int) -> tuple[tuple[str, str], ...]:
     return (("allow", "GET"),) if status == 405 else ()
 
 
-def _reserve_port(host: str) -> socket.socket:
-    """A socket bound (not listening) to a free port in :data:`_DYNAMO_PORTS` on ``host``: no one else can bind it
-    until it is closed (it does not set SO_REUSEADDR), then Dynamo's runtime does."""
+def _reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound (not listening) to ``port`` on ``host``: no one else can bind it until it is closed (it does
+    not set SO_REUSEADDR), then Dynamo's runtime does. One line naming the flag when it is taken."""
     family = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.choice(_DYNAMO_PORTS)
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            sock.close()
-            continue
-        return sock
-    raise OSError(errno.EADDRINUSE, f"no free port for Dynamo's system server on {host} in {_DYNAMO_PORTS.start}-32767")
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        reason = exc.strerror or str(exc)
+        raise OSError(exc.errno, f"--dynamo-system-port {port} on {host}: {reason}") from None
+    return sock

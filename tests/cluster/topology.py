@@ -384,6 +384,8 @@ class Cluster:
             "nats",
             "--event-plane",
             "nats",
+            "--dynamo-system-port",  # below 32768, as every server in tests (by default the OS picks it)
+            str(free_low_port()),
             *self.sidecar_args,
         ]
         return await stack.enter_async_context(

@@ -13,6 +13,10 @@ reports (``--log-dir``'s ``report.json``, written by ``launch/_demo.py``) and wh
 * media rows: each engine received the media in message order (image, video, image -- not grouped by modality);
 * LoRA rows: the adapter was loaded on every engine and changed the answer (openengine-mock's adapters change the
   text; the same request to the base model answers differently).
+
+And the demo as the README's user keeps it running (``agg.sh --demo``, what ``launch/demo.sh`` runs): the OpenAI SDK's
+structured-output calls (``response_format`` json_schema from a pydantic model, and json_object) answer JSON valid
+for the schema -- the demo engine is TensorRT-LLM's profile of openengine-mock, whose guided decoding is xgrammar's.
 """
 
 from __future__ import annotations
@@ -30,10 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jsonschema  # type: ignore[import-untyped]
+import openai
 import pytest
+from openai.lib._pydantic import to_strict_json_schema
 
 from tests.deploy.sessions import kill_session, session_members
 from tests.deploy.sessions import run_launcher as run_in_session
+from tests.e2e.test_guided import Forecast
 from tests.helpers.processes import free_low_port, free_port
 
 # pytest.mark.timeout: one launcher run (RUN_BOUND_S) plus its stop and checks
@@ -191,3 +199,49 @@ def test_ctrl_c_in_a_terminal_stops_every_process_in_order(tmp_path: Path) -> No
     assert "SIGTERM received: draining" in sidecar
     assert "draining -> stopped" in sidecar
     assert "quiescence not confirmed" not in sidecar
+
+
+def test_the_demo_answers_the_openai_sdks_structured_output(tmp_path: Path) -> None:
+    """Issue 27 item 1: the demo engine ran ``--profile full`` (guided decoding off), so every ``response_format``
+    got HTTP 400 "the engine does not advertise guided decoding". Both structured-output calls now answer JSON valid
+    for their schema, through the real frontend and sidecar, and the demo still stops cleanly."""
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    http = free_port()
+    argv = ["bash", str(LAUNCH / "agg.sh"), "--demo", "--log-dir", str(logs)]
+    argv += ["--http-port", str(http), "--system-port", str(free_low_port())]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
+    with out.open("w") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    messages: Any = [{"role": "user", "content": "What is the weather by the river?"}]
+    schema = to_strict_json_schema(Forecast)
+    try:
+        deadline = time.monotonic() + RUN_BOUND_S
+        while "serving; Ctrl-C" not in out.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert "serving; Ctrl-C" in out.read_text(), out.read_text()[-4000:]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="unused", timeout=60, max_retries=0)
+
+        # json_schema: the SDK's parse() sends the pydantic model's strict schema and parses the answer into it.
+        parsed = client.chat.completions.parse(
+            model="tiny-oe", messages=messages, response_format=Forecast, max_tokens=512, temperature=0
+        )
+        choice = parsed.choices[0]
+        assert choice.finish_reason == "stop", choice
+        assert isinstance(choice.message.parsed, Forecast), choice.message.content
+        jsonschema.Draft202012Validator(schema).validate(json.loads(choice.message.content or ""))
+
+        # json_object: any JSON object.
+        plain = client.chat.completions.create(
+            model="tiny-oe", messages=messages, response_format={"type": "json_object"}, max_tokens=256
+        )
+        assert isinstance(json.loads(plain.choices[0].message.content or ""), dict), plain
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        left = session_members(proc.pid)
+        kill_session(proc.pid)
+    output = out.read_text()
+    assert proc.returncode == 143, output[-4000:]  # its own SIGTERM status, after every child stopped cleanly
+    assert not left, left
+    assert "stopped (exit status): frontend 0, engine 0, sidecar 0" in output, output[-4000:]

@@ -53,9 +53,16 @@ async def test_a_slow_model_load_is_waited_on_in_starting(dynamo_env: DynamoEnv,
         (("--schema-release", "main"), (), "main"),
         (("--schema-release", "0123456789abcdef0123456789abcdef"), (), "0123456789abcdef"),
         ((), ("--expected-engine", "vllm"), "vllm"),
+        (("--schema-release", "empty"), ("--expected-schema-release", "768a93c7b44e"), "empty schema_release"),
         (("--model-alias", "other-model"), (), "--model"),
     ],
-    ids=["moving-schema-name", "other-schema-release", "wrong-engine", "several-models-without-model"],
+    ids=[
+        "moving-schema-name",
+        "other-schema-release",
+        "wrong-engine",
+        "no-schema-release-but-one-expected",
+        "several-models-without-model",
+    ],
 )
 async def test_an_incompatible_engine_is_refused_with_one_clear_line(
     dynamo_env: DynamoEnv, mock_args: tuple[str, ...], sidecar_args: tuple[str, ...], refusal: str

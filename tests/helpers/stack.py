@@ -111,6 +111,10 @@ async def start_sidecar(
     """Start ``python -m sidecar`` against ``engine_address``; yields once its log says it serves (``ready``)."""
     system_port = free_low_port()  # Dynamo parses DYN_SYSTEM_PORT as an i16
     argv = [sys.executable, "-m", "sidecar", "--grpc-endpoint", engine_address, "--model-path", str(MODEL_DIR)]
+    if "--dynamo-system-port" not in args:
+        # Dynamo's own system server behind the system port: by default the OS picks its port (32768 and up); servers
+        # in tests keep below 32768, so the tests pin it (one test asks for the default with 0).
+        argv += ["--dynamo-system-port", str(free_low_port())]
     async with start_process(
         [*argv, "--served-model-name", model, *args],
         denv.worker_env(DYN_SYSTEM_PORT=str(system_port)),

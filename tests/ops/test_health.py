@@ -7,7 +7,8 @@ Rulebook:
   503 with the state;
 * while it runs every other request is relayed to Dynamo's own server (method, query, headers, body; the answer
   streamed back, chunked stays chunked), and a server that refuses or stays silent is one line, 502 or 504;
-* the port reserved for Dynamo's server is below 32768, held until handed over, then free;
+* Dynamo's server gets ``DYN_SYSTEM_PORT=0`` (the OS picks when it binds; the relay goes where the runtime says it
+  bound) unless ``--dynamo-system-port`` names one, which is held from start-up until handed over, then free;
 * a port in use is one line, never a traceback.
 """
 
@@ -106,11 +107,12 @@ async def test_while_dynamo_runs_everything_else_is_relayed_to_it(worker_model: 
         async with trio.open_nursery() as nursery:
             host, bound = await nursery.start(port.run)
             base = f"http://{host}:{bound}"
-            dynamo_port = int(port.dynamo_environment()["DYN_SYSTEM_PORT"])
+            assert port.dynamo_environment() == {"DYN_SYSTEM_HOST": "127.0.0.1", "DYN_SYSTEM_PORT": "0"}
             port.release_dynamo_port()
-            listeners = await trio.open_tcp_listeners(dynamo_port, host="127.0.0.1")
+            # Dynamo binds a port the OS picks and the runtime reports it.
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
             await nursery.start(trio.serve_listeners, dynamo.serve, listeners)
-            port.forward_to_dynamo()
+            port.forward_to_dynamo(listeners[0].socket.getsockname()[1])
             for event in ("connect", "connected", "discovered", "ready", "registered"):
                 worker_model.fire(event, reason="engine READY")
 
@@ -148,14 +150,14 @@ async def test_while_dynamo_runs_everything_else_is_relayed_to_it(worker_model: 
 async def test_a_dynamo_server_that_refuses_or_stays_silent_is_one_line(worker_model: WorkerLifecycle) -> None:
     dynamo = FakeDynamo()
     dynamo.silent = True
-    port = health.SystemPort(worker_model, "127.0.0.1", 0, control_timeout_s=0.5)
+    dynamo_port = free_low_port()
+    port = health.SystemPort(worker_model, "127.0.0.1", 0, control_timeout_s=0.5, dynamo_port=dynamo_port)
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=10) as http:
             host, bound = await nursery.start(port.run)
             base = f"http://{host}:{bound}"
-            dynamo_port = int(port.dynamo_environment()["DYN_SYSTEM_PORT"])
             port.release_dynamo_port()
-            port.forward_to_dynamo()
+            port.forward_to_dynamo(dynamo_port)
             # Nothing listens on Dynamo's port yet.
             response = await http.get(f"{base}/metrics")
             assert response.status_code == 502
@@ -170,16 +172,33 @@ async def test_a_dynamo_server_that_refuses_or_stays_silent_is_one_line(worker_m
             nursery.cancel_scope.cancel()
 
 
-async def test_the_port_for_dynamo_is_held_until_handed_over(worker_model: WorkerLifecycle) -> None:
+async def test_by_default_nothing_is_reserved_and_the_os_picks_dynamos_port(worker_model: WorkerLifecycle) -> None:
+    """Issue 27 item 9: the sidecar drew Dynamo's port at random from 20000-32767 and held it, taking a port some other
+    service of the host may expect. Now Dynamo gets 0 (its value reads fine as a 16-bit number) and binds a port the
+    OS picks; the relay learns it from the runtime. Without one reported, the sidecar keeps answering alone."""
     port = health.SystemPort(worker_model, "127.0.0.1", 0)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            host, bound = await nursery.start(port.run)
+            assert port.dynamo_environment() == {"DYN_SYSTEM_HOST": "127.0.0.1", "DYN_SYSTEM_PORT": "0"}
+            assert port.dynamo_port == 0
+            port.release_dynamo_port()
+            port.forward_to_dynamo(None)  # a runtime that started no system server
+            response = await get(f"http://{host}:{bound}/metrics")
+            assert response.status_code == 200
+            assert "openengine_sidecar_worker_state{" in response.text
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_dynamo_system_port_asked_for_is_held_until_handed_over(worker_model: WorkerLifecycle) -> None:
+    dynamo_port = free_low_port()
+    port = health.SystemPort(worker_model, "127.0.0.1", 0, dynamo_port=dynamo_port)
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
             _, bound = await nursery.start(port.run)
             environment = port.dynamo_environment()
-            dynamo_port = int(environment["DYN_SYSTEM_PORT"])
-            assert environment["DYN_SYSTEM_HOST"] == "127.0.0.1"
+            assert environment == {"DYN_SYSTEM_HOST": "127.0.0.1", "DYN_SYSTEM_PORT": str(dynamo_port)}
             assert dynamo_port != bound
-            assert dynamo_port <= 32767  # Dynamo 1.6.1 reads DYN_SYSTEM_PORT as a signed 16-bit number
             with socket.socket() as sock, pytest.raises(OSError, match="in use"):
                 sock.bind(("127.0.0.1", dynamo_port))
             port.release_dynamo_port()
@@ -188,6 +207,20 @@ async def test_the_port_for_dynamo_is_held_until_handed_over(worker_model: Worke
                 sock.bind(("127.0.0.1", dynamo_port))
                 sock.listen()
             nursery.cancel_scope.cancel()
+
+
+async def test_a_dynamo_system_port_in_use_is_one_line_naming_the_flag(worker_model: WorkerLifecycle) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_low_port()))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        port = health.SystemPort(worker_model, "127.0.0.1", 0, dynamo_port=busy)
+        with (
+            trio.fail_after(20),
+            pytest.raises(OSError, match=f"--dynamo-system-port {busy} on 127.0.0.1: .*in use") as refused,
+        ):
+            await port.run()  # fails before it serves anything
+        assert refused.value.strerror == f"--dynamo-system-port {busy} on 127.0.0.1: Address already in use"
 
 
 async def test_health_is_200_only_while_serving(worker_model: WorkerLifecycle) -> None:
@@ -218,9 +251,11 @@ def test_a_port_in_use_is_one_line(model_dir: Path, tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", free_low_port()))
         taken.listen()
         port = taken.getsockname()[1]
+        own = {**base, "DYN_SYSTEM_PORT": str(free_low_port())}
         for env, args, says in (
             (base, ("--ops-port", str(port)), f"--ops-port {port} on 127.0.0.1"),
             ({**base, "DYN_SYSTEM_PORT": str(port)}, (), f"DYN_SYSTEM_PORT {port} on 127.0.0.1"),
+            (own, ("--dynamo-system-port", str(port)), f"--dynamo-system-port {port} on 127.0.0.1"),
         ):
             done = _refusal(model_dir, env, *args)
             assert done.returncode == 1, done.stderr

@@ -13,6 +13,7 @@ import json
 import re
 import sys
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
@@ -21,7 +22,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 from trio_websocket import open_websocket_url
 
-from tests.helpers.processes import free_port
+from tests.helpers.processes import free_low_port, free_port
 from tests.helpers.stack import MODEL, dump_logs, engine_load, start_engine, start_sidecar, wait_routable
 from tests.helpers.waits import wait_until
 
@@ -213,3 +214,41 @@ async def _running_at_least(address: str, count: int) -> bool:
 
 def _lost_lines(log: str) -> int:
     return sum("sidecar.requests" in line and "Connection lost" in line for line in log.splitlines())
+
+
+@pytest.mark.parametrize("asked", [False, True], ids=["the-os-picks", "dynamo-system-port"])
+async def test_dynamos_system_server_listens_where_asked_or_where_the_os_picks(
+    dynamo_env: DynamoEnv, frontend: Frontend, asked: bool
+) -> None:
+    """Issue 27 item 9: Dynamo's own system server (behind the system port) took a port the sidecar drew at random in
+    20000-32767, with no flag, where another service of a shared host may expect it. By default it now binds a port
+    the OS picks (its ephemeral range; ``DYN_SYSTEM_PORT=0`` reads fine as a 16-bit number), and
+    ``--dynamo-system-port`` pins it. Either way the frontend fetches the model card from it (the model is routable
+    and answers) and the system port relays ``/metrics`` there."""
+    wanted = free_low_port() if asked else None
+    # 0 is the default (the OS picks: the one test whose server binds above 32767); start_sidecar pins one otherwise.
+    flags = ("--dynamo-system-port", str(wanted or 0))
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with (
+                start_engine(dynamo_env, "--speedup", "0") as engine,
+                start_sidecar(dynamo_env, engine.address, *flags) as worker,
+            ):
+                await wait_routable(frontend.url, workers=1, timeout=60)
+                await chat(frontend, "Tell me about the river.")
+                found = re.search(r"relayed to Dynamo's system server on 127\.0\.0\.1:(\d+)", worker.process.log())
+                assert found is not None, worker.process.log_tail()
+                inner = int(found[1])
+                if wanted:
+                    assert inner == wanted
+                else:
+                    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+                    assert low <= inner <= high, f"{inner} is not a port the OS picks ({low}-{high})"
+                async with httpx.AsyncClient(timeout=10) as http:
+                    relayed = await http.get(f"{worker.system_url}/metrics")
+                    live = await http.get(f"http://127.0.0.1:{inner}/engine/live")
+                assert "dynamo_component_requests_total" in relayed.text
+                assert (live.status_code, live.json()["state"]) == (200, "serving")
+    except BaseException:
+        dump_logs(dynamo_env)
+        raise
