@@ -564,6 +564,7 @@ class GracefulProtocol(H2Protocol):
     def data_received(self, data: bytes) -> None:
         if not self._received:
             self._received = True
+            self._channel.answered = True
             if self._channel.tls is None and data[:2] in _TLS_RECORD_STARTS:
                 reason = "the engine answers in TLS; pass --grpc-tls-ca and use an https:// endpoint"
                 _warn(reason)
@@ -681,6 +682,9 @@ class GracefulProtocol(H2Protocol):
         reason = None
         if isinstance(exc, ssl.SSLError) and tls is not None and "ALERT" in (exc.reason or ""):
             reason = _explain_alert(exc.reason, tls.files)
+        elif not self._received and self._channel.answered:
+            # It answered on this endpoint before: a restart closing its port, not a TLS or certificate mismatch.
+            return "the engine closed the connection before HTTP/2 began (it answered here before: restarting?)"
         elif not self._received:
             reason = _explain_early_close(tls.files if tls is not None else None)
         if reason is None:
@@ -714,6 +718,8 @@ class PooledChannel(Channel):
             self._scheme = "https"  # grpclib derives it from a context fixed at construction; ours is per connection
         self.endpoint = endpoint
         self.tls = tls
+        #: Some connection of this channel got bytes from the engine (the TLS hints assume it never did).
+        self.answered = False
         self._listener = listener
         self._draining: set[GracefulProtocol] = set()
 
