@@ -860,4 +860,9 @@ def run_worker(config: SidecarConfig) -> int:
         WORKER.observers.append(_observe_worker)
     if observe_lora not in LORA.observers:
         LORA.observers.append(observe_lora)
-    return trio.run(worker.run)
+    # Dynamo's bindings print each exception a request handler raised on sys.stderr, bare: made log lines too.
+    logs.capture_stray_output()
+    try:
+        return trio.run(worker.run)
+    finally:
+        logs.release_stray_output()
