@@ -64,6 +64,9 @@ _ENGINE_GONE_CODES: Final = frozenset({GrpcCode.UNAVAILABLE, GrpcCode.DEADLINE_E
 # Registration checks in a row that could not restore what discovery lost before the worker exits 1 (60 s at the
 # default 5 s interval): out of routing that long, only a fresh process (or its refusal to start) can tell more.
 _REGISTRATION_GIVE_UP_CHECKS: Final = 12
+# Reconnections in a row that find the engine the previous one found, each soon after it, before the worker fails:
+# the waits between them (1, 2, 4, 8 s at the default retry interval) sum to 15 s.
+_REDISCOVERY_REPEAT_LIMIT: Final = 5
 
 
 def _observe_worker(model: WorkerLifecycle, event: WorkerEvent, source: WorkerState, dest: WorkerState) -> None:
@@ -126,6 +129,9 @@ class Worker:
         # the generation counts completed ones, so a second finder whose engine was already rediscovered stands down.
         self._reconnecting = trio.Lock()
         self._engine_generation = 0
+        # The engine instance the last reconnection found, and when it was back in routing (see _bound_repeats).
+        self._last_rediscovery: tuple[str, float] | None = None
+        self._rediscovery_repeats = 0
         # Why the worker is degraded for an engine that stopped producing (None: it is not); a canary generation
         # ends it (_watch_stall), not Health, which stays READY on a wedged engine.
         self._stalled: str | None = None
@@ -433,7 +439,9 @@ class Worker:
         self.lifecycle.fire("registered", reason="recovered")
         metrics.HEALTH_TRANSITIONS.labels(change="recovered").inc()
 
-    async def _engine_lost(self, client: EngineClient, dynamo: DynamoWorker, reason: str) -> None:
+    async def _engine_lost(
+        self, client: EngineClient, dynamo: DynamoWorker, reason: str, *, claimed_change: bool = False
+    ) -> None:
         """reconnecting: withdraw, fail in-flight requests migratably, reconnect with backoff, rediscover.
 
         Also the way back from a quick engine restart (``_watch_identity``): the same rediscovery, and the model card
@@ -444,12 +452,15 @@ class Worker:
         async with self._reconnecting:
             if generation != self._engine_generation or self.lifecycle.state not in ("serving", "degraded"):
                 return
-            await self._reconnect(client, dynamo, reason)
+            await self._reconnect(client, dynamo, reason, claimed_change=claimed_change)
             self._engine_generation += 1
 
-    async def _reconnect(self, client: EngineClient, dynamo: DynamoWorker, reason: str) -> None:
+    async def _reconnect(
+        self, client: EngineClient, dynamo: DynamoWorker, reason: str, *, claimed_change: bool = False
+    ) -> None:
         life = self.lifecycle
         config = self.config
+        before = self._discovery
         if config.exit_on_engine_loss:
             life.fire("fail", reason=f"engine lost ({reason}) and --exit-on-engine-loss is set")
             self._fatal.set()
@@ -481,6 +492,7 @@ class Worker:
                 # It answered once and is gone again (a restart still in progress, or an engine still draining
                 # after its GOAWAY): wait for it again rather than give up.
                 life.fire("engine_lost", reason=f"the engine went away again during rediscovery: {exc}")
+        await self._bound_repeats(before, self._discovery, claimed_change=claimed_change)
         if self._lora is not None:
             # Before routing resumes: a request for an adapter the restarted engine lacks would fail with NOT_FOUND.
             await self._lora.sync(engine_restarted=True)
@@ -496,6 +508,47 @@ class Worker:
             # Requests that still arrive are served; routing resumes when the watchdog has written every entry.
             life.fire("degrade", reason=held)
         metrics.RECONNECTS.labels(stage="recovered").inc()
+        self._last_rediscovery = (self._discovery.caps.instance_id, trio.current_time())
+
+    async def _bound_repeats(self, before: Discovery | None, found: Discovery, *, claimed_change: bool) -> None:
+        """Bound the reconnections that were told the engine changed and found the very engine they had.
+
+        Something keeps claiming a new engine that answers as the old one (two engines behind one address, a load
+        balancer answering GetLoad from another backend than GetServerInfo): each such false claim soon after the
+        last one (within ``--reconnect-backoff-max-secs``) waits out of routing (1, 2, 4 … s, capped), and the
+        :data:`_REDISCOVERY_REPEAT_LIMIT`-th in a row fails the worker (one line) so that a supervisor sees it,
+        instead of a reconnect loop that never ends -- or, against an engine that answers at once, never even
+        blocks. An outage (health, GOAWAY, a partition) is no claim: the same engine coming back is what it should.
+        """
+        config = self.config
+        if not claimed_change or before is None or _differences(before, found):
+            self._rediscovery_repeats = 0
+            return
+        instance = found.caps.instance_id
+        last = self._last_rediscovery
+        if last is None or trio.current_time() - last[1] >= config.reconnect_backoff_max_s:
+            self._rediscovery_repeats = 0  # the last false claim is long past: a new series
+        self._rediscovery_repeats += 1
+        repeats = self._rediscovery_repeats
+        if repeats >= _REDISCOVERY_REPEAT_LIMIT:
+            reason = (
+                f"told {repeats} times in a row that the engine changed, the worker found the same instance "
+                f"{instance!r} each time: something keeps claiming a new engine (two engines behind one address?)"
+            )
+            self.lifecycle.fire("fail", reason=reason)
+            log.error("%s; exiting so that a supervisor starts a fresh worker", reason)
+            self._fatal.set()
+            await trio.sleep_forever()
+        wait_s = min(config.grpc_retry_interval_s * 2 ** (repeats - 1), config.reconnect_backoff_max_s)
+        log.warning(
+            "told the engine changed, the worker found the same instance %r (%d of %d in a row): waiting %.1fs "
+            "before serving it again",
+            instance,
+            repeats,
+            _REDISCOVERY_REPEAT_LIMIT,
+            wait_s,
+        )
+        await trio.sleep(wait_s)
 
     async def _wait_for_engine(self, client: EngineClient) -> None:
         """Until the engine answers GetServerInfo again, with capped exponential backoff and jitter."""
@@ -587,7 +640,7 @@ class Worker:
                 self._identity.expect(self._identity.expected)  # reconnecting already: it rediscovers anyway
                 continue
             log.warning("%s; rediscovering it", reason)
-            await self._engine_lost(client, dynamo, reason)
+            await self._engine_lost(client, dynamo, reason, claimed_change=True)
 
     async def _engine_changed(self, client: EngineClient) -> str | None:
         """What differs in the engine that answers now from the one discovered (None: nothing, or no answer yet --
@@ -601,19 +654,7 @@ class Worker:
         except (EngineRpcError, StartupRefused, SchemaIncompatible, trio.TooSlowError) as exc:
             # A refusal is for the rediscovery to report (it fails the worker); no answer is the health watch's.
             return None if isinstance(exc, EngineRpcError | trio.TooSlowError) else str(exc)
-        differences = [
-            what
-            for what, before, after in (
-                ("instance", old.caps.instance_id, new.caps.instance_id),
-                ("role", old.role, new.role),
-                ("model", old.model, new.model),
-                ("schema release", old.server.schema_release, new.server.schema_release),
-                ("capabilities", old.caps, new.caps),
-                ("context length", old.context_length, new.context_length),
-            )
-            if before != after
-        ]
-        return ", ".join(differences) or None
+        return ", ".join(_differences(old, new)) or None
 
     async def _engine_stalled(self, reason: str) -> None:
         """``RequestServer.on_stall``: the engine stopped producing (an inactivity timeout with nothing received by
@@ -763,6 +804,23 @@ class Worker:
                 log.error("drain could not confirm engine quiescence: %s", last)
                 return False
             await trio.sleep(0.1)
+
+
+def _differences(old: Discovery, new: Discovery) -> list[str]:
+    """What a worker serving ``old`` would have to change for ``new``: instance, role, model, schema, capabilities,
+    limits."""
+    return [
+        what
+        for what, before, after in (
+            ("instance", old.caps.instance_id, new.caps.instance_id),
+            ("role", old.role, new.role),
+            ("model", old.model, new.model),
+            ("schema release", old.server.schema_release, new.server.schema_release),
+            ("capabilities", old.caps, new.caps),
+            ("context length", old.context_length, new.context_length),
+        )
+        if before != after
+    ]
 
 
 def _restored_line(report: RestoreReport) -> str:
