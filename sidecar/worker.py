@@ -26,7 +26,13 @@ import trio
 
 from openengine_bp.openengine.v1 import HealthState
 from sidecar.convert.enums import bp_enum
-from sidecar.dynamo import ControlPlaneError, ControlPlaneUnreachable, DynamoSettings, open_dynamo
+from sidecar.dynamo import (
+    ControlPlaneError,
+    ControlPlaneUnreachable,
+    DynamoSettings,
+    RegistrationRefused,
+    open_dynamo,
+)
 from sidecar.edge import open_edge
 from sidecar.engine import EngineClientConfig, SchemaIncompatible, open_engine_client, parse_endpoint
 from sidecar.errors import EngineGone, EngineRpcError, GrpcCode, WorkerDraining
@@ -250,7 +256,12 @@ class Worker:
                 await self._adopt_system_port(dynamo)
                 await dynamo.export_metrics(metrics.exposition, metrics.typed_families)
                 self.requests.attach(self._serving(client, first))
-                await dynamo.register(registration)
+                try:
+                    await dynamo.register(registration)
+                except RegistrationRefused as exc:
+                    life.fire("fail", reason=str(exc))
+                    log.error("refusing to start: %s", exc)
+                    return 1
                 # No canary payload: with one, Dynamo 1.6.1 derives /health from its canary and ignores the worker's
                 # state (a reconnecting worker answered 200).
                 await dynamo.serve(request_nursery, self.requests.handle)

@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import trio
 
-from sidecar.dynamo import DynamoSettings, Registration, RequestContext, file_discovery_keys, lora_card_key, open_dynamo
+from sidecar.dynamo import (
+    DynamoSettings,
+    Registration,
+    RegistrationRefused,
+    RequestContext,
+    file_discovery_keys,
+    lora_card_key,
+    open_dynamo,
+)
 from sidecar.edge import open_edge
 
 if TYPE_CHECKING:
@@ -81,3 +89,28 @@ def runtime_config(card: Path) -> dict[str, Any]:
     config = json.loads(card.read_text())["card_json"]["runtime_config"]
     assert isinstance(config, dict)
     return config
+
+
+async def test_another_model_on_the_same_endpoint_is_refused_naming_the_flags(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 27 item 9: a second worker on the same namespace and component, serving another name (the engine's own
+    model name becomes its alias), is refused by Dynamo with a plain exception; it is one line naming the flags."""
+    monkeypatch.setenv("DYN_FILE_KV", str(tmp_path / "kv"))
+    settings = DynamoSettings(discovery_backend="file", namespace="conflict")
+    with trio.fail_after(20):
+        async with open_edge() as edge, open_dynamo(edge, settings) as first, trio.open_nursery() as nursery:
+            await first.serve(nursery, handler)
+            await first.register(Registration(model_path=str(model_dir), served_model_name="tiny-oe"))
+            async with open_dynamo(edge, settings) as second:
+                await second.serve(nursery, handler)
+                other = Registration(model_path=str(model_dir), served_model_name="y", aliases=("tiny-oe",))
+                with pytest.raises(RegistrationRefused) as refused:
+                    await second.register(other)
+                await second.shutdown()
+            await first.shutdown()
+    line = str(refused.value)
+    assert "\n" not in line
+    assert "Cannot register model 'y' on endpoint 'conflict/backend/generate'" in line
+    for flag in ("--namespace (DYN_NAMESPACE)", "--component (DYN_COMPONENT)", "--served-model-name"):
+        assert flag in line, line
