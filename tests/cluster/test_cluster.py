@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import time
+from datetime import UTC, datetime
 
 import httpx
 import pytest
@@ -419,3 +420,84 @@ async def test_one_frontend_dies_and_the_other_keeps_serving(cluster: Cluster) -
     record("frontend killed: failed requests on the other frontend", 0.0, f"0 of {len(survivor_statuses)}")
     record("frontend killed: its streams released on the engines", released[0])
     record("frontend killed: restart to serving with every worker", back, "discovered from etcd")
+
+
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?)Z")
+
+
+def _stamp(line: str) -> float | None:
+    """The time a log line of the worker carries (ours or Dynamo's), as a POSIX timestamp."""
+    match = _STAMP.match(line)
+    if match is None:
+        return None
+    text = match.group(1)
+    if "." in text:  # Dynamo writes microseconds, fromisoformat takes at most six digits
+        head, fraction = text.split(".")
+        text = f"{head}.{fraction[:6]:0<6}"
+    return datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp()
+
+
+@pytest.mark.parametrize(
+    "cluster",
+    [{"workers": ("w1", "w2")}, {"workers": ("w1", "w2"), "frontend_args": ("--router-mode", "kv")}],
+    ids=["round-robin", "kv-router"],
+    indirect=True,
+)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["graceful", "killed"])
+async def test_an_engine_restart_keeps_its_worker_out_of_routing_and_costs_no_request(
+    cluster: Cluster, signum: int
+) -> None:
+    """Issue 31 item 5: the engine of one worker stops gracefully (GOAWAY) under a steady load through both
+    frontends and comes back 3 s later. The worker withdraws at once; requests the frontends still route to it are
+    refused with a migratable error (and served elsewhere): every request completes. Measured: how long after the
+    withdrawal such requests still arrive, and how long until both frontends stop listing the instance."""
+    statuses: list[int] = []
+    stop = trio.Event()
+    with trio.fail_after(TEST_BOUND):
+        frontends = list(cluster.frontends.values())
+        victim, others = await _victim_and_others(cluster)
+        victim_id = victim.instance_id()
+
+        async def client(i: int) -> None:
+            for n in range(2000):
+                if stop.is_set():
+                    return
+                frontend = frontends[(i + n) % len(frontends)]
+                statuses.append(await status_of(frontend.url, prompt=f"client {i} asks {n}", max_tokens=4, timeout=60))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(client, i)
+            await trio.sleep(1.0)
+            mark = len(victim.sidecar.log())
+            stopped = time.time()
+            assert await cluster.stop_engine("w1", signum) in (0, -signal.SIGKILL)
+            with trio.fail_after(15):
+                await _until_gone(frontends, victim_id, poll=0.01)
+            gone = time.time() - stopped
+            await trio.sleep(3.0)
+            await cluster.start_engine("w1")
+            await victim.sidecar.wait_for_log(r"reconnecting[^\n]*\n(?:.*\n)*?.*registering -> serving", 30, start=mark)
+            await trio.sleep(2.0)
+            stop.set()
+        log = victim.sidecar.log()[mark:]
+    lines = log.splitlines()
+    withdrawn = next(_stamp(line) for line in lines if re.search(r"serving -> (degraded|reconnecting)", line))
+    back = next(_stamp(line) for line in lines if "registering -> serving" in line)
+    assert withdrawn is not None
+    assert back is not None
+    refused = [
+        t for line in lines if "EngineShutdown: worker is not serving" in line and (t := _stamp(line)) is not None
+    ]
+    late = [t - withdrawn for t in refused if withdrawn <= t <= back]
+    window = max(late, default=0.0)
+    print(
+        f"\nengine restart: withdrawn {withdrawn - stopped:.3f} s after SIGTERM; {len(late)} request(s) refused while "
+        f"withdrawn, the last {window:.3f} s after the withdrawal; gone from both frontends' lists {gone:.3f} s after "
+        f"SIGTERM; {len(statuses)} requests"
+    )
+    failed = [s for s in statuses if s != 200]
+    assert not failed, f"{len(failed)} of {len(statuses)} failed: {sorted(set(failed))}"
+    for worker in others:
+        assert worker.sidecar.returncode is None
+    record("engine restart: withdrawal to the last request still routed to the worker", window, f"{len(late)} refused")
