@@ -432,7 +432,7 @@ class Worker:
         self.lifecycle.fire("degrade", reason=reason)
         # New requests go elsewhere; in-flight ones carry on against the engine as long as it serves them.
         self.requests.attach(None)
-        await dynamo.withdraw()
+        await _best_effort("withdrawal from routing", dynamo.withdraw(), self.config.grpc_rpc_timeout_s)
         metrics.HEALTH_TRANSITIONS.labels(change="degraded").inc()
 
     async def _recover(self, client: EngineClient, dynamo: DynamoWorker) -> None:

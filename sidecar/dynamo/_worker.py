@@ -306,8 +306,15 @@ class DynamoWorker:
         """
         if self._withdrawn:
             return
+        started = trio.current_time()
         await self._edge.run(b.withdraw, self._endpoint)
         self._withdrawn = True
+        # Dynamo's own line for this is held down with its endpoint teardown's noise (sidecar.ops.logs.DYNAMO_QUIET).
+        logger.info(
+            "dynamo: instance %x out of discovery (%.0f ms): routers stop sending requests here as their view updates",
+            self._instance_id,
+            (trio.current_time() - started) * 1000,
+        )
 
     @property
     def withdrawn(self) -> bool:
@@ -317,6 +324,8 @@ class DynamoWorker:
     async def restore(self) -> None:
         """Put the instance back into discovery after :meth:`withdraw` (or after its file was lost)."""
         await self._edge.run(b.restore, self._endpoint)
+        if self._withdrawn:
+            logger.info("dynamo: instance %x back in discovery", self._instance_id)
         self._withdrawn = False
 
     async def republish(self, *, restore_instance: bool = False) -> RestoreReport:

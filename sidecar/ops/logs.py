@@ -77,7 +77,7 @@ DYNAMO_QUIET: Final = (
     # Its endpoint teardown deletes the instance the worker withdrew itself before (the drain withdraws first, and
     # reports its own failure), and with file discovery it races the store's own deletion of the same file at
     # shutdown (4 of 6 plain shutdowns): a WARN "Failed to unregister endpoint from discovery … Could not find key"
-    # on every stop. Its ERRORs stay; its INFO lines repeat the worker's own state lines.
+    # on every stop. Its ERRORs stay; its INFO lines (instance out of / back in discovery) the worker writes itself.
     ("dynamo_runtime::component::endpoint", "error", "a WARN on every stop for an instance already withdrawn"),
 )
 

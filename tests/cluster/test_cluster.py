@@ -482,8 +482,10 @@ async def test_an_engine_restart_keeps_its_worker_out_of_routing_and_costs_no_re
             stop.set()
         log = victim.sidecar.log()[mark:]
     lines = log.splitlines()
-    withdrawn = next(_stamp(line) for line in lines if re.search(r"serving -> (degraded|reconnecting)", line))
+    decided = next(_stamp(line) for line in lines if re.search(r"serving -> (degraded|reconnecting)", line))
+    withdrawn = next(_stamp(line) for line in lines if "out of discovery" in line)
     back = next(_stamp(line) for line in lines if "registering -> serving" in line)
+    assert decided is not None
     assert withdrawn is not None
     assert back is not None
     refused = [
@@ -492,9 +494,10 @@ async def test_an_engine_restart_keeps_its_worker_out_of_routing_and_costs_no_re
     late = [t - withdrawn for t in refused if withdrawn <= t <= back]
     window = max(late, default=0.0)
     print(
-        f"\nengine restart: withdrawn {withdrawn - stopped:.3f} s after SIGTERM; {len(late)} request(s) refused while "
-        f"withdrawn, the last {window:.3f} s after the withdrawal; gone from both frontends' lists {gone:.3f} s after "
-        f"SIGTERM; {len(statuses)} requests"
+        f"\nengine restart: out of serving {decided - stopped:.3f} s after the signal, out of discovery "
+        f"{(withdrawn - decided) * 1000:.0f} ms later; {len(late)} request(s) refused while withdrawn, the last "
+        f"{window:.3f} s after the withdrawal; gone from both frontends' lists {gone:.3f} s after the signal; "
+        f"{len(statuses)} requests"
     )
     failed = [s for s in statuses if s != 200]
     assert not failed, f"{len(failed)} of {len(statuses)} failed: {sorted(set(failed))}"
