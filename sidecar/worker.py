@@ -70,8 +70,8 @@ _ENGINE_GONE_CODES: Final = frozenset({GrpcCode.UNAVAILABLE, GrpcCode.DEADLINE_E
 # Registration checks in a row that could not restore what discovery lost before the worker exits 1 (60 s at the
 # default 5 s interval): out of routing that long, only a fresh process (or its refusal to start) can tell more.
 _REGISTRATION_GIVE_UP_CHECKS: Final = 12
-# Reconnections in a row that find the engine the previous one found, each soon after it, before the worker fails:
-# the waits between them (1, 2, 4, 8 s at the default retry interval) sum to 15 s.
+# Claims of a new engine in a row that turn out to be the engine the worker had, each soon after the last, before the
+# worker fails: the waits between them (1, 2, 4, 8 s at the default retry interval) sum to 15 s.
 _REDISCOVERY_REPEAT_LIMIT: Final = 5
 
 
@@ -135,8 +135,8 @@ class Worker:
         # the generation counts completed ones, so a second finder whose engine was already rediscovered stands down.
         self._reconnecting = trio.Lock()
         self._engine_generation = 0
-        # The engine instance the last reconnection found, and when it was back in routing (see _bound_repeats).
-        self._last_rediscovery: tuple[str, float] | None = None
+        # When the last reconnection ended (see _bound_repeats).
+        self._last_rediscovery: float | None = None
         self._rediscovery_repeats = 0
         # Why the worker is degraded for an engine that stopped producing (None: it is not); a canary generation
         # ends it (_watch_stall), not Health, which stays READY on a wedged engine.
@@ -519,7 +519,7 @@ class Worker:
             # Requests that still arrive are served; routing resumes when the watchdog has written every entry.
             life.fire("degrade", reason=held)
         metrics.RECONNECTS.labels(stage="recovered").inc()
-        self._last_rediscovery = (self._discovery.caps.instance_id, trio.current_time())
+        self._last_rediscovery = trio.current_time()
 
     async def _bound_repeats(self, before: Discovery | None, found: Discovery, *, claimed_change: bool) -> None:
         """Bound the reconnections that were told the engine changed and found the very engine they had.
@@ -537,7 +537,7 @@ class Worker:
             return
         instance = found.caps.instance_id
         last = self._last_rediscovery
-        if last is None or trio.current_time() - last[1] >= config.reconnect_backoff_max_s:
+        if last is None or trio.current_time() - last >= config.reconnect_backoff_max_s:
             self._rediscovery_repeats = 0  # the last false claim is long past: a new series
         self._rediscovery_repeats += 1
         repeats = self._rediscovery_repeats

@@ -42,7 +42,6 @@ __all__ = [
     "SERVE_READY_TIMEOUT",
     "DynamoWorker",
     "RestoreReport",
-    "card_changes",
     "file_discovery_keys",
     "lora_card_key",
     "lora_slug",
@@ -97,7 +96,7 @@ def lora_slug(lora_name: str) -> str:
     return "".join(c if (c.isascii() and c.isalnum()) or c in "-_" else "_" for c in lora_name.lower())
 
 
-def card_changes(old: Registration, new: Registration) -> str:
+def _card_changes(old: Registration, new: Registration) -> str:
     """What differs between two model cards, for one log line: ``context_length 2048 -> 1024, …``."""
     changes = [
         f"{name} {getattr(old, name)!r} -> {getattr(new, name)!r}"
@@ -204,7 +203,7 @@ class DynamoWorker:
         else:
             logger.info(
                 "dynamo: the model card changed (%s): publishing it again in place of the old one",
-                card_changes(old, reg),
+                _card_changes(old, reg),
             )
             for lora_name in sorted(self._loras):
                 await self._edge.run(b.unregister_lora, self._endpoint, lora_name)
@@ -315,11 +314,6 @@ class DynamoWorker:
             self._instance_id,
             (trio.current_time() - started) * 1000,
         )
-
-    @property
-    def withdrawn(self) -> bool:
-        """Whether the instance is out of discovery by :meth:`withdraw` (not put back yet)."""
-        return self._withdrawn
 
     async def restore(self) -> None:
         """Put the instance back into discovery after :meth:`withdraw` (or after its file was lost)."""

@@ -75,6 +75,29 @@ async def _until_gone(frontends: list[ClusterFrontend], instance_id: int | None,
             await trio.sleep(poll)
 
 
+def _steady_load(
+    nursery: trio.Nursery,
+    frontends: list[ClusterFrontend],
+    statuses: list[int],
+    stop: trio.Event,
+    *,
+    max_tokens: int,
+    per_client: int,
+) -> None:
+    """Four clients sending small completions one after another through the frontends in turn, each status
+    appended to ``statuses``, until ``stop`` (at most ``per_client`` requests each)."""
+
+    async def client(i: int) -> None:
+        for n in range(per_client):
+            if stop.is_set():
+                return
+            url = frontends[(i + n) % len(frontends)].url
+            statuses.append(await status_of(url, prompt=f"client {i} asks {n}", max_tokens=max_tokens, timeout=60))
+
+    for i in range(4):
+        nursery.start_soon(client, i)
+
+
 async def _running(workers: list[ClusterWorker]) -> int:
     return sum([(await engine_load(w.engine_address)).running_requests or 0 for w in workers])
 
@@ -179,17 +202,9 @@ async def test_a_killed_worker_costs_no_request_while_its_lease_runs_out(cluster
         victim, others = await _victim_and_others(cluster)
         victim_id = victim.instance_id()
 
-        async def client(i: int) -> None:
-            # Bounded: at most 500 requests per client, and only until the dead worker is gone (stop).
-            for n in range(500):
-                if stop.is_set():
-                    return
-                frontend = frontends[(i + n) % len(frontends)]
-                statuses.append(await status_of(frontend.url, prompt=f"client {i} asks {n}", max_tokens=8, timeout=60))
-
         async with trio.open_nursery() as nursery:
-            for i in range(4):
-                nursery.start_soon(client, i)
+            # Bounded: at most 500 requests per client, and only until the dead worker is gone (stop).
+            _steady_load(nursery, frontends, statuses, stop, max_tokens=8, per_client=500)
             # Kill it while it serves: its in-flight requests must be migrated too.
             await _wait_running([victim], 1)
             victim.sidecar.signal(signal.SIGKILL)
@@ -447,10 +462,10 @@ def _stamp(line: str) -> float | None:
 async def test_an_engine_restart_keeps_its_worker_out_of_routing_and_costs_no_request(
     cluster: Cluster, signum: int
 ) -> None:
-    """Issue 31 item 5: the engine of one worker stops gracefully (GOAWAY) under a steady load through both
-    frontends and comes back 3 s later. The worker withdraws at once; requests the frontends still route to it are
-    refused with a migratable error (and served elsewhere): every request completes. Measured: how long after the
-    withdrawal such requests still arrive, and how long until both frontends stop listing the instance."""
+    """Issue 31 item 5: the engine of one worker stops (gracefully: a GOAWAY; or SIGKILLed) under a steady load
+    through both frontends and comes back 3 s later. The worker withdraws at once; requests the frontends still
+    route to it are refused with a migratable error (and served elsewhere): every request completes. Measured: how
+    long after the withdrawal such requests still arrive, and how long until both frontends stop listing it."""
     statuses: list[int] = []
     stop = trio.Event()
     with trio.fail_after(TEST_BOUND):
@@ -458,16 +473,8 @@ async def test_an_engine_restart_keeps_its_worker_out_of_routing_and_costs_no_re
         victim, others = await _victim_and_others(cluster)
         victim_id = victim.instance_id()
 
-        async def client(i: int) -> None:
-            for n in range(2000):
-                if stop.is_set():
-                    return
-                frontend = frontends[(i + n) % len(frontends)]
-                statuses.append(await status_of(frontend.url, prompt=f"client {i} asks {n}", max_tokens=4, timeout=60))
-
         async with trio.open_nursery() as nursery:
-            for i in range(4):
-                nursery.start_soon(client, i)
+            _steady_load(nursery, frontends, statuses, stop, max_tokens=4, per_client=2000)
             await trio.sleep(1.0)
             mark = len(victim.sidecar.log())
             stopped = time.time()

@@ -277,6 +277,14 @@ async def run_watchers(nursery: trio.Nursery, worker: Worker, engine: Any, dynam
     nursery.start_soon(worker._watch_stall, engine, dynamo)
 
 
+async def serving_again(worker: Worker, within: float = 60.0) -> float:
+    """Wait until the worker serves (state and request context); the (virtual) time it does."""
+    with trio.fail_after(within):
+        while worker.lifecycle.state != "serving" or worker.requests.serving is None:
+            await trio.sleep(0.05)
+    return trio.current_time()
+
+
 def state(worker: Worker) -> str:
     return worker.lifecycle.state
 
@@ -313,10 +321,7 @@ async def test_after_a_40s_outage_the_worker_serves_within_2s_of_the_engine_answ
         engine.up = False
         await trio.sleep(40.0)
         engine.restart(instance="engine-1")
-        with trio.fail_after(60):
-            while worker.lifecycle.state != "serving" or worker.requests.serving is None:
-                await trio.sleep(0.05)
-        resumed = trio.current_time()
+        resumed = await serving_again(worker)
         nursery.cancel_scope.cancel()
     print(f"serving resumed {resumed - (engine.back_at or 0):.2f}s after the engine answered again")
     assert engine.back_at is not None
@@ -340,10 +345,7 @@ async def test_without_the_load_poller_a_5s_outage_costs_the_backoff_not_its_cap
         await wait_state(worker, "reconnecting", 10)
         await trio.sleep(5.0)
         engine.restart(instance="engine-1")
-        with trio.fail_after(60):
-            while worker.lifecycle.state != "serving" or worker.requests.serving is None:
-                await trio.sleep(0.05)
-        resumed = trio.current_time()
+        resumed = await serving_again(worker)
         nursery.cancel_scope.cancel()
     assert engine.back_at is not None
     print(f"serving resumed {resumed - engine.back_at:.2f}s after the engine answered again (no load poller)")
