@@ -26,7 +26,13 @@ import trio
 
 from openengine_bp.openengine.v1 import HealthState
 from sidecar.convert.enums import bp_enum
-from sidecar.dynamo import ControlPlaneError, ControlPlaneUnreachable, DynamoSettings, open_dynamo
+from sidecar.dynamo import (
+    ControlPlaneError,
+    ControlPlaneUnreachable,
+    DynamoSettings,
+    RegistrationRefused,
+    open_dynamo,
+)
 from sidecar.edge import open_edge
 from sidecar.engine import EngineClientConfig, SchemaIncompatible, open_engine_client, parse_endpoint
 from sidecar.errors import EngineGone, EngineRpcError, GrpcCode, WorkerDraining
@@ -65,6 +71,9 @@ _ENGINE_GONE_CODES: Final = frozenset({GrpcCode.UNAVAILABLE, GrpcCode.DEADLINE_E
 # Registration checks in a row that could not restore what discovery lost before the worker exits 1 (60 s at the
 # default 5 s interval): out of routing that long, only a fresh process (or its refusal to start) can tell more.
 _REGISTRATION_GIVE_UP_CHECKS: Final = 12
+# Claims of a new engine in a row that turn out to be the engine the worker had, each soon after the last, before the
+# worker fails: the waits between them (1, 2, 4, 8 s at the default retry interval) sum to 15 s.
+_REDISCOVERY_REPEAT_LIMIT: Final = 5
 
 
 def _observe_worker(model: WorkerLifecycle, event: WorkerEvent, source: WorkerState, dest: WorkerState) -> None:
@@ -127,6 +136,9 @@ class Worker:
         # the generation counts completed ones, so a second finder whose engine was already rediscovered stands down.
         self._reconnecting = trio.Lock()
         self._engine_generation = 0
+        # When the last reconnection ended (see _bound_repeats).
+        self._last_rediscovery: float | None = None
+        self._rediscovery_repeats = 0
         # Why the worker is degraded for an engine that stopped producing (None: it is not); a canary generation
         # ends it (_watch_stall), not Health, which stays READY on a wedged engine.
         self._stalled: str | None = None
@@ -251,7 +263,12 @@ class Worker:
                 await self._adopt_system_port(dynamo)
                 await dynamo.export_metrics(metrics.exposition, metrics.typed_families)
                 self.requests.attach(self._serving(client, first))
-                await dynamo.register(registration)
+                try:
+                    await dynamo.register(registration)
+                except RegistrationRefused as exc:
+                    life.fire("fail", reason=str(exc))
+                    log.error("refusing to start: %s", exc)
+                    return 1
                 # No canary payload: with one, Dynamo 1.6.1 derives /health from its canary and ignores the worker's
                 # state (a reconnecting worker answered 200).
                 await dynamo.serve(request_nursery, self.requests.handle)
@@ -422,7 +439,7 @@ class Worker:
         self.lifecycle.fire("degrade", reason=reason)
         # New requests go elsewhere; in-flight ones carry on against the engine as long as it serves them.
         self.requests.attach(None)
-        await dynamo.withdraw()
+        await _best_effort("withdrawal from routing", dynamo.withdraw(), self.config.grpc_rpc_timeout_s)
         metrics.HEALTH_TRANSITIONS.labels(change="degraded").inc()
 
     async def _recover(self, client: EngineClient, dynamo: DynamoWorker) -> None:
@@ -440,7 +457,9 @@ class Worker:
         self.lifecycle.fire("registered", reason="recovered")
         metrics.HEALTH_TRANSITIONS.labels(change="recovered").inc()
 
-    async def _engine_lost(self, client: EngineClient, dynamo: DynamoWorker, reason: str) -> None:
+    async def _engine_lost(
+        self, client: EngineClient, dynamo: DynamoWorker, reason: str, *, claimed_change: bool = False
+    ) -> None:
         """reconnecting: withdraw, fail in-flight requests migratably, reconnect with backoff, rediscover.
 
         Also the way back from a quick engine restart (``_watch_identity``): the same rediscovery, and the model card
@@ -451,12 +470,15 @@ class Worker:
         async with self._reconnecting:
             if generation != self._engine_generation or self.lifecycle.state not in ("serving", "degraded"):
                 return
-            await self._reconnect(client, dynamo, reason)
+            await self._reconnect(client, dynamo, reason, claimed_change=claimed_change)
             self._engine_generation += 1
 
-    async def _reconnect(self, client: EngineClient, dynamo: DynamoWorker, reason: str) -> None:
+    async def _reconnect(
+        self, client: EngineClient, dynamo: DynamoWorker, reason: str, *, claimed_change: bool = False
+    ) -> None:
         life = self.lifecycle
         config = self.config
+        before = self._discovery
         if config.exit_on_engine_loss:
             life.fire("fail", reason=f"engine lost ({reason}) and --exit-on-engine-loss is set")
             self._fatal.set()
@@ -488,6 +510,7 @@ class Worker:
                 # It answered once and is gone again (a restart still in progress, or an engine still draining
                 # after its GOAWAY): wait for it again rather than give up.
                 life.fire("engine_lost", reason=f"the engine went away again during rediscovery: {exc}")
+        await self._bound_repeats(before, self._discovery, claimed_change=claimed_change)
         if self._lora is not None:
             # Before routing resumes: a request for an adapter the restarted engine lacks would fail with NOT_FOUND.
             await self._lora.sync(engine_restarted=True)
@@ -503,6 +526,47 @@ class Worker:
             # Requests that still arrive are served; routing resumes when the watchdog has written every entry.
             life.fire("degrade", reason=held)
         metrics.RECONNECTS.labels(stage="recovered").inc()
+        self._last_rediscovery = trio.current_time()
+
+    async def _bound_repeats(self, before: Discovery | None, found: Discovery, *, claimed_change: bool) -> None:
+        """Bound the reconnections that were told the engine changed and found the very engine they had.
+
+        Something keeps claiming a new engine that answers as the old one (two engines behind one address, a load
+        balancer answering GetLoad from another backend than GetServerInfo): each such false claim soon after the
+        last one (within ``--reconnect-backoff-max-secs``) waits out of routing (1, 2, 4 … s, capped), and the
+        :data:`_REDISCOVERY_REPEAT_LIMIT`-th in a row fails the worker (one line) so that a supervisor sees it,
+        instead of a reconnect loop that never ends -- or, against an engine that answers at once, never even
+        blocks. An outage (health, GOAWAY, a partition) is no claim: the same engine coming back is what it should.
+        """
+        config = self.config
+        if not claimed_change or before is None or _differences(before, found):
+            self._rediscovery_repeats = 0
+            return
+        instance = found.caps.instance_id
+        last = self._last_rediscovery
+        if last is None or trio.current_time() - last >= config.reconnect_backoff_max_s:
+            self._rediscovery_repeats = 0  # the last false claim is long past: a new series
+        self._rediscovery_repeats += 1
+        repeats = self._rediscovery_repeats
+        if repeats >= _REDISCOVERY_REPEAT_LIMIT:
+            reason = (
+                f"told {repeats} times in a row that the engine changed, the worker found the same instance "
+                f"{instance!r} each time: something keeps claiming a new engine (two engines behind one address?)"
+            )
+            self.lifecycle.fire("fail", reason=reason)
+            log.error("%s; exiting so that a supervisor starts a fresh worker", reason)
+            self._fatal.set()
+            await trio.sleep_forever()
+        wait_s = min(config.grpc_retry_interval_s * 2 ** (repeats - 1), config.reconnect_backoff_max_s)
+        log.warning(
+            "told the engine changed, the worker found the same instance %r (%d of %d in a row): waiting %.1fs "
+            "before serving it again",
+            instance,
+            repeats,
+            _REDISCOVERY_REPEAT_LIMIT,
+            wait_s,
+        )
+        await trio.sleep(wait_s)
 
     async def _wait_for_engine(self, client: EngineClient) -> None:
         """Until the engine answers GetServerInfo again, with capped exponential backoff and jitter."""
@@ -594,7 +658,7 @@ class Worker:
                 self._identity.expect(self._identity.expected)  # reconnecting already: it rediscovers anyway
                 continue
             log.warning("%s; rediscovering it", reason)
-            await self._engine_lost(client, dynamo, reason)
+            await self._engine_lost(client, dynamo, reason, claimed_change=True)
 
     async def _engine_changed(self, client: EngineClient) -> str | None:
         """What differs in the engine that answers now from the one discovered (None: nothing, or no answer yet --
@@ -608,19 +672,7 @@ class Worker:
         except (EngineRpcError, StartupRefused, SchemaIncompatible, trio.TooSlowError) as exc:
             # A refusal is for the rediscovery to report (it fails the worker); no answer is the health watch's.
             return None if isinstance(exc, EngineRpcError | trio.TooSlowError) else str(exc)
-        differences = [
-            what
-            for what, before, after in (
-                ("instance", old.caps.instance_id, new.caps.instance_id),
-                ("role", old.role, new.role),
-                ("model", old.model, new.model),
-                ("schema release", old.server.schema_release, new.server.schema_release),
-                ("capabilities", old.caps, new.caps),
-                ("context length", old.context_length, new.context_length),
-            )
-            if before != after
-        ]
-        return ", ".join(differences) or None
+        return ", ".join(_differences(old, new)) or None
 
     async def _engine_stalled(self, reason: str) -> None:
         """``RequestServer.on_stall``: the engine stopped producing (an inactivity timeout with nothing received by
@@ -772,6 +824,23 @@ class Worker:
             await trio.sleep(0.1)
 
 
+def _differences(old: Discovery, new: Discovery) -> list[str]:
+    """What a worker serving ``old`` would have to change for ``new``: instance, role, model, schema, capabilities,
+    limits."""
+    return [
+        what
+        for what, before, after in (
+            ("instance", old.caps.instance_id, new.caps.instance_id),
+            ("role", old.role, new.role),
+            ("model", old.model, new.model),
+            ("schema release", old.server.schema_release, new.server.schema_release),
+            ("capabilities", old.caps, new.caps),
+            ("context length", old.context_length, new.context_length),
+        )
+        if before != after
+    ]
+
+
 def _restored_line(report: RestoreReport) -> str:
     lost, took = report.describe(report.lost), f"{report.seconds * 1000:.0f} ms"
     line = f"our discovery registration disappeared; publishing it again: restored {lost} in {took}"
@@ -870,4 +939,9 @@ def run_worker(config: SidecarConfig) -> int:
         WORKER.observers.append(_observe_worker)
     if observe_lora not in LORA.observers:
         LORA.observers.append(observe_lora)
-    return trio.run(worker.run)
+    # Dynamo's bindings print each exception a request handler raised on sys.stderr, bare: made log lines too.
+    logs.capture_stray_output()
+    try:
+        return trio.run(worker.run)
+    finally:
+        logs.release_stray_output()

@@ -31,7 +31,9 @@
 #                  new instance id, a quick restart).  In-flight requests are failed with a migratable error, the
 #                  registration is withdrawn, the worker reconnects with backoff; on `reconnected` it goes back
 #                  through discovering (which refuses a changed role or model), waiting_ready and registering -- the
-#                  same checks as a cold start, and the model card is registered again with what the engine reports.
+#                  same checks as a cold start, and the model card is registered again with what the engine reports
+#                  (removed and published again when it changed: Dynamo refuses to rewrite a card in place).  A claim
+#                  of a new engine that finds the same one waits out of routing; the 5th in a row is a `fail`.
 #
 # Shutdown has two doors.  `drain` (SIGTERM, from any non-terminal state): stop accepting, deregister, put a
 # deadline on the in-flight requests, abort stragglers; `drained` when the request nursery is empty.  `stop` is the
@@ -224,7 +226,9 @@ STATE_DOCS: dict[WorkerState, StateDoc] = {
         operator_sees="An error naming the lost connection, then throttled retry logs; /health 503; clients of "
         "in-flight requests migrate (if the frontend's migration limit allows) or get an error.",
         action="Check whether the engine restarted or crashed. The worker rediscovers and re-registers by itself "
-        "when the engine is back; it fails if the engine changed role or model.",
+        "when the engine is back (a model card with other limits or capabilities replaces the old one whole); it "
+        "fails if the engine changed role or model, or after 5 claims in a row of a new engine that turned out to be "
+        "the same one (two engines behind one address?).",
     ),
     "draining": StateDoc(
         meaning="Shutting down gracefully: deregistered, no new requests, in-flight requests finishing under the "

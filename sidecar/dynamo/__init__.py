@@ -8,6 +8,7 @@ a :class:`sidecar.errors.SidecarError` it raises becomes the ``dynamo.llm.except
 from ._bindings import ControlPlaneError as ControlPlaneError
 from ._bindings import ControlPlaneLost as ControlPlaneLost
 from ._bindings import ControlPlaneUnreachable as ControlPlaneUnreachable
+from ._bindings import RegistrationRefused as RegistrationRefused
 from ._handler import CANCELLED_CHUNK as CANCELLED_CHUNK
 from ._publishers import KvEventSink as KvEventSink
 from ._publishers import LoadSink as LoadSink
@@ -34,6 +35,7 @@ __all__ = [
     "KvEventSink",
     "LoadSink",
     "Registration",
+    "RegistrationRefused",
     "RequestContext",
     "RequestHandler",
     "RestoreReport",

@@ -38,6 +38,7 @@ __all__ = [
     "ControlPlaneUnreachable",
     "DistributedRuntime",
     "Endpoint",
+    "RegistrationRefused",
     "control_plane",
     "create_runtime",
     "dynamo_exception",
@@ -68,6 +69,11 @@ class ControlPlaneError(RuntimeError):
 class ControlPlaneUnreachable(ControlPlaneError):
     """Start-up: etcd or NATS did not answer within its startup-connect deadline (``ETCD_``/``NATS_STARTUP_CONNECT_
     TIMEOUT_SECONDS``, set from ``--control-plane-deadline-secs``)."""
+
+
+class RegistrationRefused(RuntimeError):
+    """Dynamo refused this worker's model card because another model is registered on the same endpoint; the
+    message is one operator line naming the flags that give this worker an endpoint of its own."""
 
 
 class ControlPlaneLost(ControlPlaneError):
@@ -173,19 +179,31 @@ async def register(endpoint: Endpoint, reg: Registration, lora_name: str | None 
         identity: dict[str, Any] = {"model_aliases": list(reg.aliases) or None, "max_gpu_lora_count": reg.max_loras}
     else:
         identity = {"lora_name": lora_name, "base_model_path": reg.model_path}
-    await dynamo.llm.register_model(
-        model_input,
-        _model_type(reg),
-        endpoint,
-        reg.model_path,
-        lora_name or reg.served_model_name,
-        worker_type=_WORKER_TYPES[reg.worker_type],
-        kv_cache_block_size=reg.kv_block_size,
-        router_config=router_config,
-        runtime_config=_runtime_config(reg),
-        needs=needs,
-        **identity,
-    )
+    try:
+        await dynamo.llm.register_model(
+            model_input,
+            _model_type(reg),
+            endpoint,
+            reg.model_path,
+            lora_name or reg.served_model_name,
+            worker_type=_WORKER_TYPES[reg.worker_type],
+            kv_cache_block_size=reg.kv_block_size,
+            router_config=router_config,
+            runtime_config=_runtime_config(reg),
+            needs=needs,
+            **identity,
+        )
+    except Exception as exc:
+        text = " ".join(str(exc).split())
+        if "a different model" not in text or "is already registered there" not in text:
+            raise
+        # One model per endpoint: workers with other model names -- or aliases: the engine's own model name is one
+        # when --served-model-name differs -- on one namespace and component collide.
+        raise RegistrationRefused(
+            f"{text}: every worker on one endpoint must serve the same model; give this one its own --namespace "
+            "(DYN_NAMESPACE) or --component (DYN_COMPONENT), or the --served-model-name (DYN_SERVED_MODEL_NAME) of "
+            "the workers there"
+        ) from None
 
 
 async def unregister_lora(endpoint: Endpoint, lora_name: str) -> None:

@@ -6,6 +6,7 @@ import logging
 import os
 import tempfile
 from contextlib import asynccontextmanager, suppress
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
@@ -95,6 +96,16 @@ def lora_slug(lora_name: str) -> str:
     return "".join(c if (c.isascii() and c.isalnum()) or c in "-_" else "_" for c in lora_name.lower())
 
 
+def _card_changes(old: Registration, new: Registration) -> str:
+    """What differs between two model cards, for one log line: ``context_length 2048 -> 1024, …``."""
+    changes = [
+        f"{name} {getattr(old, name)!r} -> {getattr(new, name)!r}"
+        for name in (f.name for f in fields(new))
+        if getattr(old, name) != getattr(new, name)
+    ]
+    return ", ".join(changes) or "nothing"
+
+
 async def _poll_until(condition: Callable[[], Awaitable[bool]]) -> None:
     """Poll a condition that lives outside this process (discovery state): no event can announce it."""
     while True:
@@ -177,9 +188,30 @@ class DynamoWorker:
         return self._registration
 
     async def register(self, reg: Registration) -> None:
-        """Publish the model card. Idempotent: registering again (same or changed card) rewrites it in place."""
-        await self._edge.run(b.register, self._endpoint, reg)
-        self._registration = reg
+        """Publish the model card. Idempotent for the same card; a changed card replaces the old one whole.
+
+        Dynamo 1.6.1 refuses to rewrite a published card in place ("model update can only change
+        runtime_config.taints": only its taints may change), so a card that differs (an engine restarted with other
+        limits or capabilities) is removed first, LoRA cards with it, and published again: the frontend drops the
+        model and adds it back with the new card, as it would for a fresh worker. Once the old card is gone the new
+        one is what this worker publishes, even when writing it fails: the registration watchdog writes it then.
+        """
+        old = self._registration
+        if old is None or old == reg:
+            await self._edge.run(b.register, self._endpoint, reg)
+            self._registration = reg
+        else:
+            logger.info(
+                "dynamo: the model card changed (%s): publishing it again in place of the old one",
+                _card_changes(old, reg),
+            )
+            for lora_name in sorted(self._loras):
+                await self._edge.run(b.unregister_lora, self._endpoint, lora_name)
+            await self._edge.run(b.unregister, self._endpoint)
+            self._registration = reg
+            await self._edge.run(b.register, self._endpoint, reg)
+            for lora_name in sorted(self._loras):
+                await self._edge.run(b.register, self._endpoint, reg, lora_name)
         await self._hold()
 
     async def register_lora(self, lora_name: str) -> None:
@@ -253,8 +285,8 @@ class DynamoWorker:
             logger.warning("dynamo: control endpoint %s stopped: %s", name, exc)
 
     async def unregister(self) -> None:
-        """Remove the model cards (LoRA cards first) and withdraw the instance: the models leave the frontend (404)
-        in ~0.1 s."""
+        """Remove the model cards (LoRA cards first) and withdraw the instance (unless it is withdrawn already): the
+        models leave the frontend (404) in ~0.1 s."""
         for lora_name in sorted(self._loras):
             try:
                 await self.unregister_lora(lora_name)
@@ -266,13 +298,28 @@ class DynamoWorker:
         await self.withdraw()
 
     async def withdraw(self) -> None:
-        """Take the instance out of discovery: no new requests are routed here; in-flight requests go on."""
+        """Take the instance out of discovery: no new requests are routed here; in-flight requests go on.
+
+        Once per withdrawal: an instance already withdrawn is left alone (Dynamo would log an ERROR for a key that
+        is gone, and the second call would fail).
+        """
+        if self._withdrawn:
+            return
+        started = trio.current_time()
         await self._edge.run(b.withdraw, self._endpoint)
         self._withdrawn = True
+        # Dynamo's own line for this is held down with its endpoint teardown's noise (sidecar.ops.logs.DYNAMO_QUIET).
+        logger.info(
+            "dynamo: instance %x out of discovery (%.0f ms): routers stop sending requests here as their view updates",
+            self._instance_id,
+            (trio.current_time() - started) * 1000,
+        )
 
     async def restore(self) -> None:
         """Put the instance back into discovery after :meth:`withdraw` (or after its file was lost)."""
         await self._edge.run(b.restore, self._endpoint)
+        if self._withdrawn:
+            logger.info("dynamo: instance %x back in discovery", self._instance_id)
         self._withdrawn = False
 
     async def republish(self, *, restore_instance: bool = False) -> RestoreReport:

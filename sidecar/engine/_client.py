@@ -223,7 +223,9 @@ class _GoawayRelay:
         if self.reason is not None:
             return  # the same episode: every connection of the pool hears the GOAWAY
         self.reason = reason
-        log.warning(
+        # NO_ERROR is an engine stopping gracefully (or recycling a connection): expected, so not a warning.
+        log.log(
+            logging.INFO if "NO_ERROR" in reason else logging.WARNING,
             "the engine is going away (%s): no new streams on its connections; open streams run until they end or "
             "the engine closes the connection",
             reason,

@@ -397,6 +397,8 @@ class PooledChannel(Http2Channel):
             self.scheme = "https"  # grpclib derives it from a context fixed at construction; ours is per connection
         self.endpoint = endpoint
         self.tls = tls
+        #: Some connection of this channel got bytes from the engine (the TLS hints assume it never did).
+        self.answered = False
         self._listener = listener
 
     async def open_connection(self, factory: Callable[[], ClientProtocol]) -> ClientProtocol:
@@ -436,6 +438,7 @@ class PooledChannel(Http2Channel):
         return protocol
 
     def refuse_first_bytes(self, data: bytes) -> str | None:
+        self.answered = True
         if self.tls is None and data[:2] in _TLS_RECORD_STARTS:
             reason = "the engine answers in TLS; pass --grpc-tls-ca and use an https:// endpoint"
             _warn(reason)
@@ -453,6 +456,9 @@ class PooledChannel(Http2Channel):
         reason = None
         if isinstance(exc, ssl.SSLError) and tls is not None and "ALERT" in (exc.reason or ""):
             reason = _explain_alert(exc.reason, tls.files)
+        elif not protocol.received and self.answered:
+            # It answered on this endpoint before: a restart closing its port, not a TLS or certificate mismatch.
+            return "the engine closed the connection before HTTP/2 began (it answered here before: restarting?)"
         elif not protocol.received:
             reason = _explain_early_close(tls.files if tls is not None else None)
         if reason is None:

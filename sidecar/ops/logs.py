@@ -16,13 +16,21 @@ second on an idle worker), burying everything else.
 Dynamo's own (Rust) log lines do not pass through Python logging; :func:`dynamo_logging_environment` sets what makes
 them match ours before Dynamo is imported (JSON lines with ``--log-format json``, no colour codes off a terminal, no
 ERROR line for every 503 a readiness probe gets while the worker is not serving).
+
+What is written to ``sys.stderr`` outside logging -- above all Dynamo's bindings printing each exception a request
+handler raised (``PyErr_Display``: ``dynamo._core.EngineShutdown: worker is not serving …``, one per request reaching a
+withdrawn worker), also Python's warnings -- becomes log lines too (:func:`capture_stray_output`): one record per line,
+a traceback with its exception line as one record, the level by what it is.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import re
 import sys
+import threading
 import time
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -33,19 +41,24 @@ if TYPE_CHECKING:
     from statemachines import WorkerLifecycle
 
 __all__ = [
+    "DYNAMO_QUIET",
     "LEVELS",
     "LOG_FORMATS",
     "QUIET_LOGGERS",
     "REQUEST_ID",
+    "STRAY_LOGGER",
     "ContextFilter",
     "JsonFormatter",
     "LatestLine",
     "LogFormat",
+    "StrayLines",
     "TextFormatter",
+    "capture_stray_output",
     "configure_logging",
     "dynamo_logging_environment",
     "latest_line",
     "parse_levels",
+    "release_stray_output",
 ]
 
 LogFormat = Literal["text", "json"]
@@ -55,9 +68,18 @@ LOG_FORMATS: Final[tuple[LogFormat, ...]] = ("text", "json")
 LEVELS: Final = ("debug", "info", "warning", "warn", "error")
 #: Loggers held at WARNING unless a ``--log-level`` directive names them (or a logger below them).
 QUIET_LOGGERS: Final = ("hpack", "h2", "grpclib")
-#: Dynamo's tracing target that logs an ERROR for every non-2xx answer of its HTTP servers, i.e. for every readiness
-#: probe while the worker is rightly not ready.
-_PROBE_NOISE: Final = "tower_http::trace::on_failure"
+#: Dynamo's tracing targets held down unless a ``--log-level`` directive names them, a target within them or one
+#: they are within (``tower_http``, ``dynamo_runtime``): (target, level, why).
+DYNAMO_QUIET: Final = (
+    # An ERROR for every non-2xx answer of its HTTP servers, i.e. for every readiness probe while the worker is
+    # rightly not ready.
+    ("tower_http::trace::on_failure", "off", "an ERROR per readiness probe answered 503"),
+    # Its endpoint teardown deletes the instance the worker withdrew itself before (the drain withdraws first, and
+    # reports its own failure), and with file discovery it races the store's own deletion of the same file at
+    # shutdown (4 of 6 plain shutdowns): a WARN "Failed to unregister endpoint from discovery … Could not find key"
+    # on every stop. Its ERRORs stay; its INFO lines (instance out of / back in discovery) the worker writes itself.
+    ("dynamo_runtime::component::endpoint", "error", "a WARN on every stop for an instance already withdrawn"),
+)
 
 REQUEST_ID: Final[ContextVar[str | None]] = ContextVar("openengine_sidecar_request_id", default=None)
 """The id of the request whose task is running (``None`` outside request tasks)."""
@@ -185,7 +207,9 @@ def configure_logging(level: str, fmt: LogFormat, worker: WorkerLifecycle | None
     (idempotent for tests); returns the handler.
     """
     default, overrides = parse_levels(level)
-    handler = logging.StreamHandler(sys.stderr)
+    stream = sys.stderr
+    # Never into our own capture of stray output: every line would come back to this handler.
+    handler = logging.StreamHandler(stream.original if isinstance(stream, StrayLines) else stream)
     handler.addFilter(ContextFilter(worker))
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     handler.set_name("openengine-sidecar")
@@ -209,16 +233,19 @@ def dynamo_logging_environment(level: str, fmt: str, environ: MutableMapping[str
     """Make Dynamo's own log lines follow ours; returns the variables set. Call before ``dynamo`` is imported: its
     logging reads the environment once, at import.
 
-    * ``DYN_LOG``: our directives, plus ``tower_http::trace::on_failure=off`` unless a directive names ``tower_http``
-      (every 503 of a readiness probe would be an ERROR line). An operator's own ``DYN_LOG`` is ``--log-level``'s
-      environment twin, so this is the same text with that one addition.
+    * ``DYN_LOG``: our directives, plus one for each of :data:`DYNAMO_QUIET` that no directive names (nor a target
+      within it or around it): ``tower_http::trace::on_failure=off`` (every 503 of a readiness probe would be an
+      ERROR line), ``dynamo_runtime::component::endpoint=error`` (a WARN on every stop). An operator's own
+      ``DYN_LOG`` is ``--log-level``'s environment twin, so this is the same text with those additions.
     * ``DYN_LOGGING_JSONL=1`` with ``--log-format json``; ``DYN_SDK_DISABLE_ANSI_LOGGING=1`` when stderr is not a
       terminal. Either is left alone when the operator set it.
     """
     applied: list[str] = []
     directives = ",".join(p.strip() for p in level.split(",") if p.strip())
-    if not any(p.split("=")[0].strip().startswith("tower_http") for p in directives.split(",") if "=" in p):
-        directives = f"{directives},{_PROBE_NOISE}=off"
+    named = [p.split("=")[0].strip() for p in directives.split(",") if "=" in p]
+    for target, quiet_level, _why in DYNAMO_QUIET:
+        if not any(_related(target, name) for name in named):
+            directives = f"{directives},{target}={quiet_level}"
     if environ.get("DYN_LOG") != directives:
         environ["DYN_LOG"] = directives
         applied.append("DYN_LOG")
@@ -229,3 +256,131 @@ def dynamo_logging_environment(level: str, fmt: str, environ: MutableMapping[str
         environ["DYN_SDK_DISABLE_ANSI_LOGGING"] = "1"
         applied.append("DYN_SDK_DISABLE_ANSI_LOGGING")
     return applied
+
+
+def _related(target: str, name: str) -> bool:
+    """Does a directive for ``name`` speak about ``target`` (the same target, one around it or one within it)?"""
+    return name == target or target.startswith(name + "::") or name.startswith(target + "::")
+
+
+#: The logger of what reached ``sys.stderr`` outside logging (not ``sidecar.*``: it never is the worker's latest line).
+STRAY_LOGGER: Final = "stderr"
+#: Exceptions of Dynamo's that the worker's request handler raises on purpose (``sidecar.errors`` kinds): Dynamo prints
+#: each one, and the request's own log line has already said why at its level, so the print is INFO.
+_EXPECTED_DYNAMO_ERRORS: Final = frozenset(
+    {
+        "EngineShutdown",
+        "Disconnected",
+        "CannotConnect",
+        "ConnectionTimeout",
+        "StreamIncomplete",
+        "WorkerUnavailable",
+        "Cancelled",
+        "InvalidArgument",
+    }
+)
+_EXCEPTION_LINE: Final = re.compile(r"^(?P<module>(?:[A-Za-z_]\w*\.)*)(?P<name>[A-Za-z_]\w*)(?::\s|$)")
+
+
+def _stray_level(text: str, traceback: bool) -> int:
+    """The level of one stray record: Dynamo's print of an error the worker raised on purpose is INFO; any other
+    traceback is an ERROR; anything else (a Python warning, unknown text) a WARNING."""
+    last = text.rsplit("\n", 1)[-1]
+    match = _EXCEPTION_LINE.match(last)
+    if match is not None and match.group("module").startswith("dynamo."):
+        return logging.INFO if match.group("name") in _EXPECTED_DYNAMO_ERRORS else logging.WARNING
+    return logging.ERROR if traceback else logging.WARNING
+
+
+class StrayLines(io.TextIOBase):
+    """``sys.stderr`` while the worker runs: whatever is written to it outside logging becomes log records.
+
+    Lines are collected until their newline; a Python traceback (``Traceback (most recent call last):``, indented
+    lines, then its unindented exception line) is one record. ``original`` is the stream replaced, where the log
+    handler writes; ``fileno`` is its descriptor, so that C-level writers (faulthandler) bypass the capture.
+    Thread-safe: Dynamo prints from its own threads.
+    """
+
+    def __init__(self, original: io.TextIOBase | Any, logger: logging.Logger | None = None) -> None:
+        super().__init__()
+        self.original = original
+        self._logger = logger or logging.getLogger(STRAY_LOGGER)
+        self._lock = threading.RLock()
+        self._partial = ""
+        self._traceback: list[str] = []
+        self._inside = threading.local()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return str(getattr(self.original, "encoding", "utf-8"))
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return bool(self.original.isatty())
+
+    def fileno(self) -> int:
+        return int(self.original.fileno())
+
+    def write(self, text: str) -> int:
+        if getattr(self._inside, "active", False):
+            # Logging itself failed and reports it here: straight out, or it would come back forever.
+            return int(self.original.write(text))
+        with self._lock:
+            self._partial += text
+            while "\n" in self._partial:
+                line, self._partial = self._partial.split("\n", 1)
+                self._line(line)
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            self.original.flush()
+
+    def close_out(self) -> None:
+        """Emit what is still held (a line without its newline, an unfinished traceback)."""
+        with self._lock:
+            if self._partial:
+                self._line(self._partial)
+                self._partial = ""
+            if self._traceback:
+                self._emit("\n".join(self._traceback), traceback=True)
+                self._traceback = []
+
+    def _line(self, line: str) -> None:
+        if self._traceback:
+            self._traceback.append(line)
+            if line[:1] not in (" ", "\t") and line.strip():
+                self._emit("\n".join(self._traceback), traceback=True)
+                self._traceback = []
+        elif line.startswith("Traceback (most recent call last):"):
+            self._traceback = [line]
+        elif line.strip():
+            self._emit(line, traceback=False)
+
+    def _emit(self, text: str, *, traceback: bool) -> None:
+        self._inside.active = True
+        try:
+            self._logger.log(_stray_level(text, traceback), "%s", text)
+        finally:
+            self._inside.active = False
+
+
+def capture_stray_output(logger: logging.Logger | None = None) -> StrayLines:
+    """Replace ``sys.stderr`` with a :class:`StrayLines` (once: an installed one is returned as is). Undo with
+    :func:`release_stray_output`."""
+    current = sys.stderr
+    if isinstance(current, StrayLines):
+        return current
+    stray = StrayLines(current, logger)
+    sys.stderr = stray
+    return stray
+
+
+def release_stray_output() -> None:
+    """Put the original ``sys.stderr`` back, after logging what the capture still held."""
+    current = sys.stderr
+    if isinstance(current, StrayLines):
+        current.close_out()
+        sys.stderr = current.original

@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import time
+from datetime import UTC, datetime
 
 import httpx
 import pytest
@@ -74,6 +75,29 @@ async def _until_gone(frontends: list[ClusterFrontend], instance_id: int | None,
     """Until no frontend lists ``instance_id`` any more (the caller bounds the wait)."""
     for frontend in frontends:
         await wait_until(lambda: _unlisted(frontend.url, instance_id), timeout=math.inf, interval=poll)  # noqa: B023
+
+
+def _steady_load(
+    nursery: trio.Nursery,
+    frontends: list[ClusterFrontend],
+    statuses: list[int],
+    stop: trio.Event,
+    *,
+    max_tokens: int,
+    per_client: int,
+) -> None:
+    """Four clients sending small completions one after another through the frontends in turn, each status
+    appended to ``statuses``, until ``stop`` (at most ``per_client`` requests each)."""
+
+    async def client(i: int) -> None:
+        for n in range(per_client):
+            if stop.is_set():
+                return
+            url = frontends[(i + n) % len(frontends)].url
+            statuses.append(await status_of(url, prompt=f"client {i} asks {n}", max_tokens=max_tokens, timeout=60))
+
+    for i in range(4):
+        nursery.start_soon(client, i)
 
 
 async def _running(workers: list[ClusterWorker]) -> int:
@@ -176,17 +200,9 @@ async def test_a_killed_worker_costs_no_request_while_its_lease_runs_out(cluster
         victim, others = await _victim_and_others(cluster)
         victim_id = victim.instance_id()
 
-        async def client(i: int) -> None:
-            # Bounded: at most 500 requests per client, and only until the dead worker is gone (stop).
-            for n in range(500):
-                if stop.is_set():
-                    return
-                frontend = frontends[(i + n) % len(frontends)]
-                statuses.append(await status_of(frontend.url, prompt=f"client {i} asks {n}", max_tokens=8, timeout=60))
-
         async with trio.open_nursery() as nursery:
-            for i in range(4):
-                nursery.start_soon(client, i)
+            # Bounded: at most 500 requests per client, and only until the dead worker is gone (stop).
+            _steady_load(nursery, frontends, statuses, stop, max_tokens=8, per_client=500)
             # Kill it while it serves: its in-flight requests must be migrated too.
             await _wait_running([victim], 1)
             victim.sidecar.signal(signal.SIGKILL)
@@ -423,3 +439,79 @@ async def _unlisted(url: str, instance_id: int | None) -> bool:
 
 async def _at_least(workers: list[ClusterWorker], count: int) -> bool:
     return await _running(workers) >= count
+
+
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?)Z")
+
+
+def _stamp(line: str) -> float | None:
+    """The time a log line of the worker carries (ours or Dynamo's), as a POSIX timestamp."""
+    match = _STAMP.match(line)
+    if match is None:
+        return None
+    text = match.group(1)
+    if "." in text:  # Dynamo writes microseconds, fromisoformat takes at most six digits
+        head, fraction = text.split(".")
+        text = f"{head}.{fraction[:6]:0<6}"
+    return datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp()
+
+
+@pytest.mark.parametrize(
+    "cluster",
+    [{"workers": ("w1", "w2")}, {"workers": ("w1", "w2"), "frontend_args": ("--router-mode", "kv")}],
+    ids=["round-robin", "kv-router"],
+    indirect=True,
+)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["graceful", "killed"])
+async def test_an_engine_restart_keeps_its_worker_out_of_routing_and_costs_no_request(
+    cluster: Cluster, signum: int
+) -> None:
+    """Issue 31 item 5: the engine of one worker stops (gracefully: a GOAWAY; or SIGKILLed) under a steady load
+    through both frontends and comes back 3 s later. The worker withdraws at once; requests the frontends still
+    route to it are refused with a migratable error (and served elsewhere): every request completes. Measured: how
+    long after the withdrawal such requests still arrive, and how long until both frontends stop listing it."""
+    statuses: list[int] = []
+    stop = trio.Event()
+    with trio.fail_after(TEST_BOUND):
+        frontends = list(cluster.frontends.values())
+        victim, others = await _victim_and_others(cluster)
+        victim_id = victim.instance_id()
+
+        async with trio.open_nursery() as nursery:
+            _steady_load(nursery, frontends, statuses, stop, max_tokens=4, per_client=2000)
+            await trio.sleep(1.0)  # a pace: the load runs a while before the fault, not a synchronisation
+            mark = len(victim.sidecar.log())
+            stopped = time.time()
+            assert await cluster.stop_engine("w1", signum) in (0, -signal.SIGKILL)
+            with trio.fail_after(15):
+                await _until_gone(frontends, victim_id, poll=0.01)
+            gone = time.time() - stopped
+            await trio.sleep(3.0)  # the outage's length
+            await cluster.start_engine("w1")
+            await victim.sidecar.wait_for_log(r"reconnecting[^\n]*\n(?:.*\n)*?.*registering -> serving", 30, start=mark)
+            await trio.sleep(2.0)  # a pace: load after the comeback, then the end
+            stop.set()
+        log = victim.sidecar.log()[mark:]
+    lines = log.splitlines()
+    decided = next(_stamp(line) for line in lines if re.search(r"serving -> (degraded|reconnecting)", line))
+    withdrawn = next(_stamp(line) for line in lines if "out of discovery" in line)
+    back = next(_stamp(line) for line in lines if "registering -> serving" in line)
+    assert decided is not None
+    assert withdrawn is not None
+    assert back is not None
+    refused = [
+        t for line in lines if "EngineShutdown: worker is not serving" in line and (t := _stamp(line)) is not None
+    ]
+    late = [t - withdrawn for t in refused if withdrawn <= t <= back]
+    window = max(late, default=0.0)
+    print(
+        f"\nengine restart: out of serving {decided - stopped:.3f} s after the signal, out of discovery "
+        f"{(withdrawn - decided) * 1000:.0f} ms later; {len(late)} request(s) refused while withdrawn, the last "
+        f"{window:.3f} s after the withdrawal; gone from both frontends' lists {gone:.3f} s after the signal; "
+        f"{len(statuses)} requests"
+    )
+    failed = [s for s in statuses if s != 200]
+    assert not failed, f"{len(failed)} of {len(statuses)} failed: {sorted(set(failed))}"
+    for worker in others:
+        assert worker.sidecar.returncode is None
+    record("engine restart: withdrawal to the last request still routed to the worker", window, f"{len(late)} refused")

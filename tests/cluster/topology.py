@@ -108,6 +108,9 @@ class ClusterWorker:
     stack: AsyncExitStack
     sidecar_stack: AsyncExitStack
     restarts: int = 0
+    #: The engine's command line and its own stack: the engine can be stopped and started again on its own.
+    engine_argv: list[str] = field(default_factory=list)
+    engine_stack: AsyncExitStack | None = None
 
     @property
     def system_url(self) -> str:
@@ -326,7 +329,6 @@ class Cluster:
 
     async def _start_worker(self, name: str, host: Host, stack: AsyncExitStack, ready_timeout: float) -> ClusterWorker:
         port_file = self.root / f"{name}-engine.port"
-        port_file.unlink(missing_ok=True)
         engine_argv = [
             sys.executable,
             "-m",
@@ -344,26 +346,51 @@ class Cluster:
             "full",
             *self.engine_args,
         ]
-
-        async def engine_listening(_: Process) -> bool:
-            return port_file.exists() and bool(port_file.read_text().strip())
-
-        engine = await stack.enter_async_context(
-            start_process(
-                host.argv(engine_argv),
-                self.host_env(host),
-                log_path=self.log_path(f"{name}-engine"),
-                ready=engine_listening,
-            )
-        )
+        engine_stack = AsyncExitStack()
+        await stack.enter_async_context(engine_stack)
+        engine = await self._start_engine(name, host, engine_argv, engine_stack)
         engine_address = port_file.read_text().strip()
         system_port = _low_port(host, 8081)
         sidecar_stack = AsyncExitStack()
         await stack.enter_async_context(sidecar_stack)
         sidecar = await self._start_sidecar(name, host, engine_address, system_port, sidecar_stack, ready_timeout)
         worker = ClusterWorker(name, host, engine, engine_address, sidecar, system_port, stack, sidecar_stack)
+        worker.engine_argv, worker.engine_stack = engine_argv, engine_stack
         self.workers[name] = worker
         return worker
+
+    async def _start_engine(self, name: str, host: Host, argv: list[str], stack: AsyncExitStack) -> Process:
+        port_file = self.root / f"{name}-engine.port"
+        port_file.unlink(missing_ok=True)
+
+        async def engine_listening(_: Process) -> bool:
+            return port_file.exists() and bool(port_file.read_text().strip())
+
+        return await stack.enter_async_context(
+            start_process(
+                host.argv(argv),
+                self.host_env(host),
+                log_path=self.log_path(f"{name}-engine"),
+                ready=engine_listening,
+            )
+        )
+
+    async def stop_engine(self, name: str, signum: int = signal.SIGTERM) -> int:
+        """Stop the worker's engine (SIGTERM: its graceful stop, a GOAWAY first); its exit status."""
+        worker = self.workers[name]
+        assert worker.engine_stack is not None
+        worker.engine.signal(signum)
+        status = await worker.engine.wait(30)
+        await worker.engine_stack.aclose()
+        return status
+
+    async def start_engine(self, name: str) -> Process:
+        """Start the worker's engine again, on the same address, after :meth:`stop_engine`."""
+        worker = self.workers[name]
+        worker.engine_stack = AsyncExitStack()
+        await worker.stack.enter_async_context(worker.engine_stack)
+        worker.engine = await self._start_engine(name, worker.host, worker.engine_argv, worker.engine_stack)
+        return worker.engine
 
     async def _start_sidecar(
         self, name: str, host: Host, engine_address: str, system_port: int, stack: AsyncExitStack, ready_timeout: float

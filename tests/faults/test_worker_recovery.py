@@ -282,6 +282,14 @@ async def run_watchers(nursery: trio.Nursery, worker: Worker, engine: Any, dynam
     nursery.start_soon(worker._watch_stall, engine, dynamo)
 
 
+async def serving_again(worker: Worker, within: float = 60.0) -> float:
+    """Wait until the worker serves (state and request context); the (virtual) time it does."""
+    with trio.fail_after(within):
+        while worker.lifecycle.state != "serving" or worker.requests.serving is None:
+            await trio.sleep(0.05)
+    return trio.current_time()
+
+
 def state(worker: Worker) -> str:
     return worker.lifecycle.state
 
@@ -316,15 +324,37 @@ async def test_after_a_40s_outage_the_worker_serves_within_2s_of_the_engine_answ
         engine.up = False
         await trio.sleep(40.0)
         engine.restart(instance="engine-1")
-        with trio.fail_after(60):
-            while worker.lifecycle.state != "serving" or worker.requests.serving is None:
-                await trio.sleep(0.05)
-        resumed = trio.current_time()
+        resumed = await serving_again(worker)
         nursery.cancel_scope.cancel()
     print(f"serving resumed {resumed - (engine.back_at or 0):.2f}s after the engine answered again")
     assert engine.back_at is not None
     assert ("engine_lost", "reconnecting") in [(e, d) for _, e, d in transitions]
     assert resumed - engine.back_at <= 2.0, f"serving {resumed - engine.back_at:.1f}s after the engine was back"
+
+
+async def test_without_the_load_poller_a_5s_outage_costs_the_backoff_not_its_cap(
+    autojump_clock: Clock, transitions: list[tuple[float, str, str]]
+) -> None:
+    """Issue 29 item 4 (b): the reconnect backoff grows 1, 2, 4 … s up to its cap. A mutant jumping to the cap
+    (``min`` -> ``max``) survived every test because the load poller's answer ends each wait; an engine without
+    GetLoad has no poller. Here none runs: a 5 s outage must cost about one backoff step after the engine is back,
+    not the 30 s cap (the mutant: 29 s)."""
+    engine, dynamo = Engine(), Dynamo()
+    worker = await serving_worker(engine, dynamo, "--reconnect-backoff-max-secs", "30")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker._watch_engine, engine, dynamo)  # type: ignore[arg-type]
+        nursery.start_soon(worker._watch_identity, engine, dynamo)  # type: ignore[arg-type]
+        engine.up = False
+        await wait_state(worker, "reconnecting", 10)
+        await trio.sleep(5.0)
+        engine.restart(instance="engine-1")
+        resumed = await serving_again(worker)
+        nursery.cancel_scope.cancel()
+    assert engine.back_at is not None
+    print(f"serving resumed {resumed - engine.back_at:.2f}s after the engine answered again (no load poller)")
+    # Lost after 3 failed polls, then waits of 1, 2, 4 s (+-20 %): the attempt after the engine's return comes
+    # within 4.8 s of it; the cap would have made it 30.
+    assert resumed - engine.back_at < 5.0
 
 
 # --------------------------------------------------------------------------- item 5: a quick restart is noticed
@@ -375,6 +405,40 @@ async def test_an_engine_restarted_within_a_second_with_other_capabilities_is_re
         "reconnected",
         "registered",
     ]
+
+
+class LoadBalancedEngine(Engine):
+    """Two engines behind one address: GetLoad reaches another backend than GetServerInfo, so the load poller keeps
+    reporting an instance the worker never discovers."""
+
+    async def get_load(self, include_per_rank: bool = False, *, timeout_s: float | None = None) -> LoadInfo:
+        load = await super().get_load(include_per_rank, timeout_s=timeout_s)
+        load.instance_id = "engine-behind-the-balancer"
+        return load
+
+
+async def test_a_claim_of_a_new_engine_that_keeps_finding_the_same_one_is_bounded(
+    autojump_clock: Clock, transitions: list[tuple[float, str, str]]
+) -> None:
+    """Issue 29 item 4: a reconnect loop must block and end. Every claim of a new engine that finds the engine the
+    worker had waits out of routing (1, 2, 4, 8 s) and the 5th in a row fails the worker with one line. Failed
+    before: the worker rediscovered the same engine every second, for ever (and with the quick-restart identity
+    check removed, in a loop that never blocked)."""
+    engine, dynamo = LoadBalancedEngine(), Dynamo()
+    worker = await serving_worker(engine, dynamo)
+    transitions.clear()
+    async with trio.open_nursery() as nursery:
+        await run_watchers(nursery, worker, engine, dynamo)
+        with trio.fail_after(120):
+            await worker._fatal.wait()
+        failed_at = trio.current_time()
+        nursery.cancel_scope.cancel()
+    assert state(worker) == "failed"
+    assert "the same instance 'engine-1'" in (worker.lifecycle.reason or "")
+    lost = [t for t, e, _ in transitions if e == "engine_lost"]
+    assert len(lost) == 5
+    # Waits of 1, 2, 4 and 8 s before serving again, each followed by the next false claim within a poll.
+    assert 15.0 <= failed_at <= 15.0 + 5 * 1.5, failed_at
 
 
 class FlappingEngine(Engine):

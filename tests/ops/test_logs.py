@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import io
 import json
 import logging
+import re
+import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 
+import dynamo.llm.exceptions
 import pytest
 import trio
 
@@ -14,10 +19,13 @@ from sidecar.ops.logs import (
     REQUEST_ID,
     ContextFilter,
     JsonFormatter,
+    StrayLines,
     TextFormatter,
+    capture_stray_output,
     configure_logging,
     dynamo_logging_environment,
     parse_levels,
+    release_stray_output,
 )
 from statemachines import WorkerLifecycle
 
@@ -158,13 +166,18 @@ def test_dynamos_own_lines_follow_ours() -> None:
     env: dict[str, str] = {}
     applied = dynamo_logging_environment("debug,hpack=debug", "json", env, tty=False)
     assert set(applied) == {"DYN_LOG", "DYN_LOGGING_JSONL", "DYN_SDK_DISABLE_ANSI_LOGGING"}
-    assert env["DYN_LOG"] == "debug,hpack=debug,tower_http::trace::on_failure=off"
+    quiet = "tower_http::trace::on_failure=off,dynamo_runtime::component::endpoint=error"
+    assert env["DYN_LOG"] == f"debug,hpack=debug,{quiet}"
     assert env["DYN_LOGGING_JSONL"] == "1"
     assert env["DYN_SDK_DISABLE_ANSI_LOGGING"] == "1"
-    # On a terminal, in text, with the operator's own choices: only the probe noise is added.
-    env = {"DYN_LOG": "info,tower_http=debug", "DYN_LOGGING_JSONL": "0"}
-    assert dynamo_logging_environment("info,tower_http=debug", "json", env, tty=True) == []
-    assert env == {"DYN_LOG": "info,tower_http=debug", "DYN_LOGGING_JSONL": "0"}
+    # On a terminal, in text, with the operator's own choices: a target they name (or one around it) is theirs.
+    own = "info,tower_http=debug,dynamo_runtime=debug"
+    env = {"DYN_LOG": own, "DYN_LOGGING_JSONL": "0"}
+    assert dynamo_logging_environment(own, "json", env, tty=True) == []
+    assert env == {"DYN_LOG": own, "DYN_LOGGING_JSONL": "0"}
+    env = {}
+    dynamo_logging_environment("info,dynamo_runtime::component::endpoint::x=debug", "text", env, tty=True)
+    assert env["DYN_LOG"] == "info,dynamo_runtime::component::endpoint::x=debug,tower_http::trace::on_failure=off"
 
 
 def test_the_worker_cli_sets_dynamos_logging_before_dynamo_is_imported(model_dir: object) -> None:
@@ -179,3 +192,71 @@ def test_the_worker_cli_sets_dynamos_logging_before_dynamo_is_imported(model_dir
     )
     out = subprocess.run([sys.executable, "-c", code, str(model_dir)], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def pyerr_display(error: BaseException) -> None:
+    """What Dynamo's bindings do with an exception a request handler raised: ``PyErr_Display`` on sys.stderr."""
+    ctypes.pythonapi.PyErr_Display(ctypes.py_object(type(error)), ctypes.py_object(error), ctypes.py_object(None))
+
+
+@contextmanager
+def stray_capture(worker: WorkerLifecycle) -> Iterator[tuple[StrayLines, io.StringIO]]:
+    """Install the capture inside the test body: pytest puts its own sys.stderr back between setup and call."""
+    logger, out = capture(TextFormatter(), worker)
+    stray = capture_stray_output(logger)
+    try:
+        yield stray, out
+    finally:
+        release_stray_output()
+
+
+_STAMPED = re.compile(r"^\d{4}-\d\d-\d\dT[\d:.]+Z (INFO|WARNING|ERROR) \S+ \[worker=\S+ req=-\]: ")
+
+
+def test_dynamos_bare_exception_line_becomes_a_log_line(worker: WorkerLifecycle) -> None:
+    """Issue 31 item 4: Dynamo prints every exception a handler raised with PyErr_Display -- for a request reaching
+    a withdrawn worker, ``dynamo._core.EngineShutdown: worker is not serving …``, bare, without time or level (the
+    chaos report's log reader crashed on it). Now it is an INFO line: the request's own line already told why."""
+    with stray_capture(worker) as (_, out):
+        pyerr_display(dynamo.llm.exceptions.EngineShutdown("worker is not serving (starting, degraded or draining)"))
+    (line,) = out.getvalue().splitlines()
+    assert _STAMPED.match(line), line
+    assert " INFO " in line
+    assert line.endswith("dynamo._core.EngineShutdown: worker is not serving (starting, degraded or draining)")
+
+
+def test_a_traceback_on_stderr_is_one_error_line_and_other_text_a_warning(worker: WorkerLifecycle) -> None:
+    with stray_capture(worker) as (stream, out):
+        try:
+            raise ValueError("boom")
+        except ValueError as exc:
+            pyerr_display(exc)
+        pyerr_display(dynamo.llm.exceptions.Unknown("ValueError: a bug"))
+        print("an unexplained line", file=sys.stderr)
+        print("half a li", end="", file=sys.stderr)
+        print("ne", end="", file=sys.stderr)
+        stream.close_out()
+    lines = out.getvalue().splitlines()
+    levels = [match.group(1) if (match := _STAMPED.match(line)) else line for line in lines]
+    assert levels == ["ERROR", "WARNING", "WARNING", "WARNING"], lines
+    assert "Traceback (most recent call last):\\n" in lines[0]
+    assert lines[0].endswith("ValueError: boom")
+    assert lines[1].endswith("dynamo._core.Unknown: ValueError: a bug")
+    assert lines[2].endswith("an unexplained line")
+    assert lines[3].endswith("half a line")
+
+
+def test_configure_logging_never_writes_into_the_capture(worker: WorkerLifecycle) -> None:
+    """The worker configures logging with the capture installed (tests do it repeatedly): its handler writes to the
+    stream the capture replaced, never back into the capture."""
+    original = sys.stderr
+    stray = capture_stray_output()
+    try:
+        handler = configure_logging("info", "text", worker)
+        assert isinstance(handler, logging.StreamHandler)
+        assert handler.stream is original
+    finally:
+        release_stray_output()
+        logging.getLogger().removeHandler(handler)
+    assert sys.stderr is original
+    assert stray.original is original
