@@ -15,6 +15,7 @@ per item; callbacks posted into trio never raise; asyncio objects are created on
 either side is shielded and time-bounded.
 """
 
+from ._census import loop_tasks as loop_tasks
 from ._errors import BridgeCancelled as BridgeCancelled
 from ._errors import EdgeClosed as EdgeClosed
 from ._errors import EdgeError as EdgeError
