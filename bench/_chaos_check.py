@@ -22,11 +22,11 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
 from bench._chaos_load import Template, Transcript, events
+from bench._chaos_logs import Tally, records
 
 Outcome = Literal["complete", "clean_error", "cancelled", "violation"]
 
@@ -276,12 +276,30 @@ def judge(transcript: Transcript, reference: Answer) -> Verdict:
     return _compare(answer, reference)
 
 
+def frontend_lost(verdict: Verdict, transcript: Transcript, reference: Answer, stops: Sequence[float]) -> Verdict:
+    """A connection broken because a fault stopped its frontend while the request was in flight, as a clean error.
+
+    A client whose frontend dies mid-answer sees its connection break (httpx: an incomplete chunked read): it knows
+    the answer is incomplete, as with an HTTP error. Excused only when the break is the transport's
+    (``transport_error``), a stop of that frontend falls between the request's start and end (``stops``, the run's
+    clock), and what arrived before the break is a prefix of the reference; anything else stays a violation."""
+    if verdict.outcome != "violation" or transcript.transport_error is None:
+        return verdict
+    ended = transcript.ended if transcript.ended is not None else transcript.started
+    if not any(transcript.started <= stop <= ended for stop in stops):
+        return verdict
+    if transcript.template.stream:
+        problem = _prefix_problem(parse(transcript), reference)
+        if problem is not None:
+            return verdict
+    return Verdict("clean_error", "frontend_lost", f"{transcript.frontend} stopped: {transcript.transport_error}")
+
+
 # ------------------------------------------------------------------------------------------ counters and logs
 
 _END = re.compile(
-    r"^(\S+) .*? sidecar\.requests .*?: request (\S+) (finished|rejected|cancelled|failed) \((.*)\): "
-    r"(\d+) in / (\d+) out tokens",
-    re.M,
+    r"^\S+ +\S+ sidecar\.requests .*?: request (\S+) (finished|rejected|cancelled|failed) \((.*)\): "
+    r"(\d+) in / (\d+) out tokens"
 )
 #: A run SIGKILLed this soon after it logged a request's end may not have sent that answer out: the frontend then
 #: migrates it, and another run finishes it too.
@@ -305,21 +323,14 @@ class End:
     at: float = 0.0
 
 
-def log_ends(path: Path) -> list[End]:
-    """Every request-end line in a sidecar's log."""
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return []
-    return [End(m[2], m[3], m[4], int(m[5]), int(m[6]), _unix(m[1])) for m in _END.finditer(text)]
-
-
-def _unix(stamp: str) -> float:
-    """A sidecar log line's UTC timestamp (``2026-01-01T10:00:00.123Z``) as a Unix time (0 when it is not one)."""
-    try:
-        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return 0.0
+def log_ends(path: Path, tally: Tally | None = None) -> list[End]:
+    """Every request-end line in a sidecar's log (lines the reader does not know are counted in ``tally``)."""
+    ends = []
+    for record in records(path, Tally() if tally is None else tally, "sidecar"):
+        m = _END.match(record.text)
+        if m is not None:
+            ends.append(End(m[1], m[2], m[3], int(m[4]), int(m[5]), record.at))
+    return ends
 
 
 def migrated_usage(verdict: Verdict, answer: Answer, reference: Answer, attempts: list[End]) -> Verdict:
@@ -437,7 +448,8 @@ def reconcile(
                 if len(where) > 1 or not (where or maybe):
                     problems.append(f"request #{transcript.number} ({rid}): complete, finished by {where or 'none'}")
                 seen.add(rid)
-        elif verdict.outcome == "cancelled":
+        elif verdict.outcome == "cancelled" or verdict.kind == "frontend_lost":
+            # The client left, or its frontend died: the worker may have finished what nobody received.
             seen |= ids
             explained["client_left"] += sum(1 for rid in ids if rid in finished_where)
         elif verdict.outcome == "clean_error":

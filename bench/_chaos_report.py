@@ -14,6 +14,8 @@ from typing import Any, Final
 from bench._chaos_check import Answer, Reconciliation, Verdict
 from bench._chaos_faults import EXITED, FAULT_KINDS, OBSERVED_KINDS, FaultRecord
 from bench._chaos_load import Transcript
+from bench._chaos_logs import Tally
+from bench._chaos_resources import Resources
 
 
 def markers(control_plane: str) -> tuple[str, str]:
@@ -44,6 +46,9 @@ class Report:
     lora_reloads: int
     elapsed_s: float
     extra: dict[str, Any] = field(default_factory=dict)
+    resources: Resources | None = None
+    #: Log lines the report's reader did not know (no timestamp), by the kind of process.
+    unknown_lines: Tally = field(default_factory=Tally)
 
     # -- figures --------------------------------------------------------------------------------------------------
 
@@ -70,7 +75,18 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return not self.violation_kinds()
+        return not self.violation_kinds() and (self.resources is None or self.resources.flat)
+
+    def verdict_lines(self) -> list[str]:
+        """The run's two verdicts, last in the report: violations, and resources."""
+        kinds = self.violation_kinds()
+        total = sum(kinds.values())
+        line = (
+            "violations: none"
+            if not kinds
+            else f"violations: {total} — " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+        )
+        return [line, self.resources.verdict() if self.resources is not None else "resources: not sampled"]
 
     def executed(self) -> list[FaultRecord]:
         return [r for r in self.faults if r.skipped is None]
@@ -177,6 +193,16 @@ class Report:
             lines.append(f"LoRA adapter loaded again by the operator (this program) {self.lora_reloads} time(s)")
         for anomaly in self.anomalies:
             lines.append(f"anomaly: {anomaly}")
+        tally = self.unknown_lines
+        lines += [
+            "",
+            "log lines the report's reader did not know (no timestamp; counted, not read): "
+            + (", ".join(f"{kind} {n}" for kind, n in sorted(tally.unknown.items())) or "none")
+            + (f"; e.g. {tally.examples[0]!r}" if tally.examples else ""),
+        ]
+        if self.resources is not None:
+            lines += ["", *self.resources.table()]
+        lines += ["", *self.verdict_lines()]
         return "\n".join(lines)
 
     def transcript_text(self, transcript: Transcript, verdict: Verdict, reference: Answer | None) -> str:
@@ -231,6 +257,9 @@ class Report:
             "postconditions": [{"name": n, "ok": ok, "detail": d} for n, ok, d in self.postconditions],
             "reconcile_problems": self.reconciliation.problems,
             "anomalies": self.anomalies,
+            "unknown_log_lines": {"by_kind": self.unknown_lines.unknown, "examples": self.unknown_lines.examples},
+            "resources": self.resources.to_json() if self.resources is not None else None,
+            "verdicts": self.verdict_lines(),
             **self.extra,
         }
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import signal
@@ -33,9 +34,9 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -47,6 +48,7 @@ from bench._chaos_check import (
     End,
     LifeCounts,
     Verdict,
+    frontend_lost,
     judge,
     log_ends,
     metric_counts,
@@ -56,6 +58,7 @@ from bench._chaos_check import (
     reference_problems,
     request_ids,
 )
+from bench._chaos_discovery import LEASE_S, MARGIN_S, etcd_entries, sets, settled
 from bench._chaos_faults import (
     ChaosState,
     kv_faults,
@@ -66,12 +69,23 @@ from bench._chaos_faults import (
     whole,
 )
 from bench._chaos_load import Behaviour, Template, Transcript, catalogue, send
+from bench._chaos_logs import Tally
 from bench._chaos_net import netem_unavailable
 from bench._chaos_report import Report, write_docs
-from bench._chaos_topology import AGG_WORKERS, LORA, PD_MODEL, Topology, build, make_adapter
-from tests.cluster.network import Host, Network, netns_unavailable, open_network
+from bench._chaos_resources import HARNESS, Resources, Watched, sample, schedule
+from bench._chaos_topology import (
+    AGG_WORKERS,
+    LORA,
+    PD_MODEL,
+    Managed,
+    Topology,
+    build,
+    make_adapter,
+    worker_instance,
+)
+from tests.cluster.network import Host, Network, netns_unavailable, open_network, partition_unavailable
 from tests.cluster.topology import Cluster, missing_binaries
-from tests.helpers.processes import DynamoEnv, base_env, free_low_port, start_frontend
+from tests.helpers.processes import DynamoEnv, Process, base_env, free_low_port, start_frontend
 from tests.helpers.stack import MODEL, engine_load, mock_stats, start_engine, start_sidecar
 
 ROOT: Final = Path(__file__).resolve().parent.parent
@@ -242,12 +256,18 @@ class Load:
     templates: list[Template]
     references: dict[str, Answer]
     results: list[tuple[Transcript, Verdict, Answer | None]]
+    #: When faults stopped each frontend (shared with the injector): a stream broken by it is a clean error.
+    frontend_stops: dict[str, list[float]] = field(default_factory=dict)
 
     def record(self, transcript: Transcript) -> None:
-        verdict = judge(transcript, self.references[transcript.template.name])
+        reference = self.references[transcript.template.name]
+        verdict = judge(transcript, reference)
+        verdict = frontend_lost(verdict, transcript, reference, self.frontend_stops.get(transcript.frontend, ()))
         seen = parse(transcript) if transcript.status == 200 else None
         if verdict.outcome != "violation":
+            # The template rebuilds the request; the lines were judged: an hour's run keeps ids and usage only.
             transcript.lines.clear()
+            transcript.request = {}
             seen = None if seen is None else Answer(usage=seen.usage, ids=seen.ids)
         self.results.append((transcript, verdict, seen))
 
@@ -415,43 +435,63 @@ async def _run(
                         raise RuntimeError(f"loading {LORA} on {name}: {answer}")
                 for frontend in topo.frontends.values():
                     await _wait_serves(http, frontend.url, [MODEL, LORA, PD_MODEL], own_ids)
+        expected_sets = await _discovery_sets(topo)
         print(f"bench.chaos: topology up and references ready after {time.monotonic() - started:.0f} s")
 
         t0 = trio.current_time()
-        wall0 = time.time()
+        wall0, mono0 = time.time(), time.monotonic()
         state = ChaosState(topo, lambda: trio.current_time() - t0)
-        load = Load(templates, refs, [])
+        state.partition_unavailable = partition_unavailable(network)
+        interval_s, warmup_s = schedule(load_s)
+        resources = Resources(watched(topo, mono0), interval_s, warmup_s)
+        load = Load(templates, refs, [], state.frontend_stops)
         counter = [0]
         monitor_scope = trio.CancelScope()
+        sampler_scope = trio.CancelScope()
 
         async def run_monitor(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
             with monitor_scope:
                 await monitor(state, task_status=task_status)
 
-        await nursery.start(run_monitor)
-        async with (
-            httpx.AsyncClient(limits=httpx.Limits(max_connections=64), timeout=30) as http,
-            trio.open_nursery() as run_nursery,
-        ):
-            run_nursery.start_soon(run_plan, state, faults, args.seed)
-            for number in range(CLIENTS):
-                run_nursery.start_soon(client_loop, state, load, number, args.seed, load_s, http, counter)
-        print(f"bench.chaos: load done ({len(load.results)} requests) at {state.clock():.0f} s; healing")
-
-        postconditions: list[tuple[str, bool, str]] = []
-        healed = False
-        states: dict[str, str] = {}
-        async with httpx.AsyncClient(timeout=10) as http:
-            with trio.move_on_after(HEAL_TIMEOUT_S):
+        async def run_sampler(http: httpx.AsyncClient) -> None:
+            with sampler_scope:
                 while True:
-                    healed, states = await whole(state, http)
-                    if healed:
-                        break
-                    await trio.sleep(0.5)
-        postconditions.append(("every worker serving and listed by both frontends", healed, str(states)))
-        postconditions += await engines_quiet(topo, QUIESCE_TIMEOUT_S)
-        monitor_scope.cancel()  # nothing restarts from here on
-        lives = await _final_counts(topo)
+                    await sample(resources.processes, state.clock(), "load", http)
+                    await trio.sleep(interval_s)
+
+        await nursery.start(run_monitor)
+        async with httpx.AsyncClient(timeout=5) as probe:
+            await sample(resources.processes, state.clock(), "idle-start", probe)
+            nursery.start_soon(run_sampler, probe)
+            async with (
+                httpx.AsyncClient(limits=httpx.Limits(max_connections=64), timeout=30) as http,
+                trio.open_nursery() as run_nursery,
+            ):
+                run_nursery.start_soon(run_plan, state, faults, args.seed)
+                for number in range(CLIENTS):
+                    run_nursery.start_soon(client_loop, state, load, number, args.seed, load_s, http, counter)
+            sampler_scope.cancel()
+            print(f"bench.chaos: load done ({len(load.results)} requests) at {state.clock():.0f} s; healing")
+
+            postconditions: list[tuple[str, bool, str]] = []
+            healed = False
+            states: dict[str, str] = {}
+            async with httpx.AsyncClient(timeout=10) as http:
+                with trio.move_on_after(HEAL_TIMEOUT_S):
+                    while True:
+                        healed, states = await whole(state, http)
+                        if healed:
+                            break
+                        await trio.sleep(0.5)
+            postconditions.append(("every worker serving and listed by both frontends", healed, str(states)))
+            postconditions += await engines_quiet(topo, QUIESCE_TIMEOUT_S)
+            monitor_scope.cancel()  # nothing restarts from here on
+            if topo.cluster is not None:
+                postconditions.append(await _discovery_settled(topo, expected_sets))
+            await sample(resources.processes, state.clock(), "idle-end", probe)
+        resources.analyse()
+        tally = Tally()
+        lives = await _final_counts(topo, tally)
         attempts: dict[str, list[End]] = {}
         for life_counts in lives:
             if life_counts.worker != "pd-prefill":
@@ -461,7 +501,11 @@ async def _run(
         for transcript, verdict, seen in sorted(load.results, key=lambda r: r[0].number):
             if seen is not None and verdict.kind == "usage_mismatch":
                 tried = [a for rid in request_ids(seen) for a in attempts.get(rid, [])]
-                verdict = migrated_usage(verdict, seen, refs[transcript.template.name], tried)
+                excused = migrated_usage(verdict, seen, refs[transcript.template.name], tried)
+                if excused.outcome == "violation":  # the transcript then shows what the sidecars logged
+                    shown = "; ".join(f"{a.outcome} ({a.reason}) {a.tokens_in} in / {a.tokens_out} out" for a in tried)
+                    excused = Verdict(excused.outcome, excused.kind, f"{excused.detail}; attempts: {shown or 'none'}")
+                verdict = excused
             verdicts.append((transcript, verdict, seen))
         reconciliation = reconcile(lives, verdicts, own_ids)
         migrated = sum(
@@ -474,7 +518,7 @@ async def _run(
                 and sum(len(attempts.get(rid, [])) for rid in request_ids(seen)) > 1
             )
         )
-        kv_records = observed_kv_faults(topo, lambda unix: unix - wall0)
+        kv_records = observed_kv_faults(topo, lambda unix: unix - wall0, tally)
         report = Report(
             seed=args.seed,
             minutes=args.minutes,
@@ -489,6 +533,8 @@ async def _run(
             lora_reloads=topo.lora_reloads,
             elapsed_s=time.monotonic() - started,
             extra={"complete_after_migration": migrated},
+            resources=resources,
+            unknown_lines=tally,
         )
         for transcript, verdict, _ in report.violations()[:20]:
             print(report.transcript_text(transcript, verdict, refs[transcript.template.name]))
@@ -502,7 +548,62 @@ async def _run(
     raise AssertionError("unreachable")
 
 
-async def _final_counts(topo: Topology) -> list[LifeCounts]:
+def watched(topo: Topology, mono0: float) -> list[Watched]:
+    """The long-lived processes whose resources are sampled, and this program itself (not judged)."""
+
+    def of(managed: Managed) -> Callable[[], tuple[int, int, float] | None]:
+        def current() -> tuple[int, int, float] | None:
+            life = managed.life
+            if life is None or life.end != "running" or life.process.returncode is not None:
+                return None
+            return life.number, life.process.pid, life.started - mono0
+
+        return current
+
+    def fixed(process: Process | None, pid: int | None = None) -> Callable[[], tuple[int, int, float] | None]:
+        def current() -> tuple[int, int, float] | None:
+            if pid is not None:
+                return 1, pid, -1.0
+            if process is None or process.returncode is not None:
+                return None
+            return 1, process.pid, -1.0
+
+        return current
+
+    out = [Watched(f"sidecar {name}", "sidecar", of(w.sidecar), f"{w.system_url}/metrics")
+           for name, w in topo.workers.items()]  # fmt: skip
+    out += [Watched(f"engine {name}", "engine", of(w.engine.managed)) for name, w in topo.workers.items()]
+    out += [Watched(f"frontend {name}", "frontend", of(f.managed)) for name, f in topo.frontends.items()]
+    if topo.cluster is not None:
+        out += [Watched("etcd", "etcd", fixed(topo.cluster.etcd)), Watched("nats", "nats", fixed(topo.cluster.nats))]
+    out.append(Watched(HARNESS, "harness", fixed(None, os.getpid())))
+    return out
+
+
+async def _discovery_sets(topo: Topology) -> dict[str, Counter[str]]:
+    """Each worker's discovery entries in etcd, as shapes, once the topology is up (empty on file discovery)."""
+    if topo.cluster is None:
+        return {}
+    async with httpx.AsyncClient(timeout=5) as http:
+        entries = sets(await etcd_entries(http, topo.cluster.etcd_url))
+        instances = {name: await worker_instance(http, worker) for name, worker in topo.workers.items()}
+    return {name: entries.get(instance, Counter()) for name, instance in instances.items() if instance is not None}
+
+
+async def _discovery_settled(topo: Topology, expected: dict[str, Counter[str]]) -> tuple[str, bool, str]:
+    """One set of entries per live worker in etcd, none of a dead instance (waited for: a SIGKILLed run's entries
+    stay until its lease expires)."""
+    assert topo.cluster is not None
+    async with httpx.AsyncClient(timeout=5) as http:
+        live = {name: await worker_instance(http, worker) for name, worker in topo.workers.items()}
+    known = {name: instance for name, instance in live.items() if instance is not None}
+    ok, detail = await settled(topo.cluster.etcd_url, known, expected, LEASE_S + MARGIN_S)
+    if len(known) < len(live):
+        ok, detail = False, f"no instance id from {sorted(set(live) - set(known))}; {detail}"
+    return "etcd holds one set of discovery entries per live worker, none of a dead instance", ok, detail
+
+
+async def _final_counts(topo: Topology, tally: Tally) -> list[LifeCounts]:
     """Every sidecar run's request-end lines, and the metrics of the runs still alive (scraped now, all quiet)."""
     lives: list[LifeCounts] = []
     async with httpx.AsyncClient(timeout=5) as http:
@@ -514,7 +615,7 @@ async def _final_counts(topo: Topology) -> list[LifeCounts]:
                         metrics = metric_counts((await http.get(f"{worker.system_url}/metrics")).text)
                     except httpx.HTTPError:
                         metrics = None
-                ends = log_ends(life.process.log_path)
+                ends = log_ends(life.process.log_path, tally)
                 counts = Counter(end.outcome for end in ends)
                 handoff = name == "pd-prefill"  # its "finished (length)" hands the request to the decode worker
                 finished = [

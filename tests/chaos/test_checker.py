@@ -7,8 +7,9 @@ import functools
 import json
 import random
 from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import trio
@@ -18,6 +19,7 @@ from bench._chaos_check import (
     End,
     LifeCounts,
     Verdict,
+    frontend_lost,
     judge,
     log_ends,
     metric_counts,
@@ -26,10 +28,16 @@ from bench._chaos_check import (
     reconcile,
     reference_problems,
 )
-from bench._chaos_faults import FAULT_KINDS, QUIET_S, kv_faults, plan
+from bench._chaos_discovery import problems, sets
+from bench._chaos_faults import FAULT_KINDS, QUIET_S, WITNESSES, kv_faults, observed_kv_faults, plan
 from bench._chaos_load import Template, Transcript, catalogue
+from bench._chaos_logs import Tally
 from bench._chaos_net import ProxyLink
+from bench._chaos_resources import HARNESS, Resources, Sample, Watched, fit, task_gauges
+from bench._chaos_topology import Life, Topology, build
 from bench.chaos import parse_args
+from tests.cluster.network import Network
+from tests.helpers.processes import Process
 
 CHAT_STREAM = Template("t-chat", "chat", True, "base", 1, {"max_tokens": 4, "temperature": 0})
 COMPLETION = Template("t-cmpl", "completions", False, "base", 1, {"max_tokens": 4, "temperature": 0})
@@ -317,3 +325,163 @@ def test_a_bad_flag_is_one_line_and_exit_status_2(
     assert err.count("\n") == 1
     assert err.startswith("bench.chaos: error: ")
     assert says in err
+
+
+# Dynamo's exception line, written in pieces with PYTHONUNBUFFERED=1: another thread's whole line can land inside it.
+BARE = "dynamo._core.EngineShutdown: worker is not serving (starting, degraded or draining); retry on another worker"
+
+
+def _topology_with_logs(tmp_path: Path, sidecar_log: str, engine_log: str) -> Topology:
+    """The chaos topology, not started, with one finished life of w1's sidecar and engine writing the given logs."""
+    topo = build(tmp_path, "file", Network("loopback", {}), "proxy")
+    for managed, text in ((topo.workers["w1"].sidecar, sidecar_log), (topo.workers["w1"].engine.managed, engine_log)):
+        path = tmp_path / f"{managed.name}.log"
+        path.write_text(text)
+        managed.lives.append(Life(1, Process([], path, cast("trio.Process", None)), 0.0, end="stopped"))
+    return topo
+
+
+def test_the_log_reader_counts_lines_it_does_not_know_and_reads_on(tmp_path: Path) -> None:
+    """Bare lines (no timestamp) and a record that starts in the middle of one are counted, never fatal: the KV
+    fault is still found and recovered, the request end still read."""
+    resync = (
+        "2026-01-01T10:00:01.000Z WARNING sidecar.kv [worker=serving req=-]: KV events rank 0: resynchronising (gap)"
+    )
+    end = (
+        "2026-01-01T10:00:02.000Z INFO sidecar.requests [worker=serving req=a]: request a finished (length): "
+        "5 in / 2 out tokens"
+    )
+    sidecar_log = "\n".join([BARE, "dynamo._core.EngineShutdown: " + resync, "worker is not serving", end, ""])
+    injected = datetime(2026, 1, 1, 10, 0, 0, 900000).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+    engine_log = (
+        f"openengine-mock listening on 127.0.0.1:1\n"
+        f"{injected} openengine-mock WARNING KV events: injecting 'gap' at batch #9\n"
+    )
+    topo = _topology_with_logs(tmp_path, sidecar_log, engine_log)
+    tally = Tally()
+    found = observed_kv_faults(topo, lambda unix: unix, tally)
+    assert [(r.kind, r.note) for r in found] == [("kv_gap", "batch #9")]
+    assert found[0].recovered == pytest.approx(datetime(2026, 1, 1, 10, 0, 1, tzinfo=UTC).timestamp())
+    assert tally.unknown == {"sidecar": 3, "engine": 1}
+    assert tally.examples[0] == BARE
+    ends = log_ends(tmp_path / "w1.log", tally)
+    assert ends == [End("a", "finished", "length", 5, 2, datetime(2026, 1, 1, 10, 0, 2, tzinfo=UTC).timestamp())]
+    assert tally.unknown["sidecar"] == 6
+
+
+def test_the_schedule_never_restarts_its_witnesses_and_draws_the_new_kinds() -> None:
+    """One sidecar, one engine and one frontend live through the whole run (the resource slopes need one long
+    life of each); the restarts, frontend restarts and partitions go to the others."""
+    faults = plan(5, 3600, "etcd")
+    restarts = {
+        "engine_kill": "engine",
+        "engine_goaway": "engine",
+        "sidecar_term": "sidecar",
+        "sidecar_kill": "sidecar",
+    }
+    for fault in faults:
+        if fault.kind in restarts:
+            assert fault.target != WITNESSES[restarts[fault.kind]], fault
+        if fault.kind == "frontend_restart":
+            assert fault.target != WITNESSES["frontend"]
+    kinds = Counter(f.kind for f in faults)
+    assert all(kinds[k] for k in ("frontend_restart", "partition_cp", "partition_engine")), kinds
+    assert not {f.kind for f in plan(5, 3600, "file")} & {"partition_cp", "partition_engine"}
+
+
+def test_a_stream_broken_by_its_frontends_stop_is_a_clean_error_only_then_and_only_as_a_prefix(
+    reference: Answer,
+) -> None:
+    broken = streamed(CHAT_STREAM, WHOLE[:2], transport_error="RemoteProtocolError: incomplete chunked read")
+    broken.started, broken.ended = 10.0, 12.0
+    verdict = judge(broken, reference)
+    assert verdict.kind == "stream_broken"
+    lost = frontend_lost(verdict, broken, reference, [11.0])
+    assert (lost.outcome, lost.kind) == ("clean_error", "frontend_lost")
+    assert frontend_lost(verdict, broken, reference, [9.0, 12.5]) == verdict, "no stop while it was in flight"
+    spliced = streamed(CHAT_STREAM, [chunk("The"), chunk(" mill")], transport_error="RemoteProtocolError: x")
+    spliced.started, spliced.ended = 10.0, 12.0
+    assert frontend_lost(judge(spliced, reference), spliced, reference, [11.0]).outcome == "violation"
+    truncated = streamed(CHAT_STREAM, WHOLE[:4])  # no [DONE], yet no transport error: not the frontend's death
+    truncated.started, truncated.ended = 10.0, 12.0
+    assert frontend_lost(judge(truncated, reference), truncated, reference, [11.0]).kind == "truncated_200"
+
+
+def _series(values: list[float], *, life: int = 1, start: float = 0.0, step: float = 30.0) -> list[Sample]:
+    return [Sample(start + i * step, life, "load", (v, 10.0, 5.0, 50.0, 20.0)) for i, v in enumerate(values)]
+
+
+def test_a_figure_grows_only_when_its_rise_within_a_life_beats_its_noise_and_the_floor() -> None:
+    rng = random.Random(3)
+    noisy_flat = [110 + rng.gauss(0, 1.5) for _ in range(100)]
+    flat = fit(_series(noisy_flat), "rss_mb", {1: 0.0}, warmup_s=300)
+    assert not flat.grew, flat
+    assert flat.noise is not None
+    assert 0.8 < flat.noise < 2.5
+    # 12 MB an hour on top of the same noise: over 47 minutes a rise of ~9 MB, three times the noise and the floor.
+    leaking = [v + 12 * i * 30 / 3600 for i, v in enumerate(noisy_flat)]
+    grew = fit(_series(leaking), "rss_mb", {1: 0.0}, warmup_s=300)
+    assert grew.grew, grew
+    assert grew.slope_h == pytest.approx(12, abs=2)
+    # A restart is not a shrink and a fresh life's climb during its warm-up is not a leak: the slope is within lives.
+    restarted = _series([110.0] * 40) + _series([80 + i for i in range(5)] + [85.0] * 40, life=2, start=1200)
+    across = fit(restarted, "rss_mb", {1: 0.0, 2: 1200.0}, warmup_s=300)
+    assert across.lives == 2
+    assert across.slope_h == pytest.approx(0, abs=0.01)
+    assert not across.grew
+    assert fit(_series([1.0, 2.0]), "rss_mb", {1: 0.0}, warmup_s=0).slope_h is None, "too few samples to fit"
+
+
+def test_the_resources_verdict_names_what_grew_and_judges_idle_tasks_before_and_after() -> None:
+    def process(name: str, tasks_after: float, leak_mb_h: float = 0.0) -> Watched:
+        watched = Watched(name, "sidecar", lambda: None)
+        watched.life_starts[1] = -60.0
+        watched.samples = [Sample(-1.0, 1, "idle-start", (100.0, 10.0, 5.0, 40.0, 20.0))]
+        watched.samples += [
+            Sample(i * 30.0, 1, "load", (100 + leak_mb_h * i * 30 / 3600 + (i % 3) * 0.2, 12.0, 6.0, 60.0, 30.0))
+            for i in range(100)
+        ]
+        watched.samples.append(Sample(3001.0, 1, "idle-end", (101.0, 10.0, 5.0, tasks_after, 20.0)))
+        return watched
+
+    flat = Resources([process("sidecar w3", 41.0)], 30.0, 300.0)
+    flat.analyse()
+    assert flat.verdict() == "resources: flat (1 of 1 processes measured)"
+    leaky = Resources([process("sidecar w3", 60.0, leak_mb_h=20.0), process(HARNESS, 40.0, leak_mb_h=50.0)], 30, 300)
+    leaky.analyse()
+    verdict = leaky.verdict()
+    assert verdict.startswith("resources: GREW — sidecar w3 rss_mb +20.0 MB/h"), verdict
+    assert "sidecar w3 trio_tasks idle 40 before the load, 60 after" in verdict
+    assert HARNESS not in verdict, "this program's own memory is shown, never judged"
+    assert any(line.startswith("| sidecar w3 | 1 |") and "↑" in line for line in leaky.table())
+
+
+def test_the_task_gauges_are_read_under_dynamos_labels() -> None:
+    page = (
+        'openengine_sidecar_trio_tasks{dynamo_namespace="dynamo",dynamo_component="backend"} 57.0\n'
+        "openengine_sidecar_asyncio_tasks 21.0\nopenengine_sidecar_trio_tasks_other 3\n"
+    )
+    assert task_gauges(page) == (57.0, 21.0)
+    assert task_gauges("") == (None, None)
+
+
+def test_discovery_entries_are_one_set_per_live_worker_and_none_of_a_dead_instance() -> None:
+    def entries(instance: int, publisher: str) -> list[tuple[str, int]]:
+        return [
+            (f"v1/instances/dynamo/backend/generate/{instance:x}", instance),
+            (f"v1/mdc/dynamo/backend/generate/{instance:x}", instance),
+            (f"v1/event_channels/namespace/dynamo/component/backend/endpoint/generate/topic/kv-events/{publisher}",
+             instance),
+            (f"v1/instances/dynamo/backend/worker_kv_query_source_{publisher}/{instance:x}", instance),
+        ]  # fmt: skip
+
+    first = 0x6A6CA244C0023D09
+    expected = {"w1": sets(entries(first, "ccee601779503"))[first]}
+    # The same worker restarted: a new instance, new publisher ids, the same shape.
+    second = 0x6A6CA244C0023D2D
+    assert problems(entries(second, "33337fe116200"), {"w1": second}, expected) == []
+    # The dead instance's entries are left until its lease expires.
+    left = problems(entries(first, "ccee601779503") + entries(second, "33337fe116200"), {"w1": second}, expected)
+    assert left == [f"lease {first:x} of no live worker holds 4 entries, e.g. {sorted(expected['w1'])[:2]}"]
+    lost = problems(entries(second, "33337fe116200")[1:], {"w1": second}, expected)
+    assert lost == [f"w1 ({second:x}) lacks ['v1/instances/dynamo/backend/generate/<id>']"]
