@@ -152,7 +152,7 @@ def _target(rng: random.Random, kind: str) -> str:
     if kind.startswith(("net_", "partition_engine")):
         return rng.choice(AGG_WORKERS)
     if kind == "partition_cp":
-        return rng.choice(AGG_WORKERS) if rng.random() < 0.8 else rng.choice(PD_WORKERS)
+        return rng.choice(AGG_WORKERS) if rng.random() < 0.8 else "pd-decode"  # the pair's host: both its workers
     if kind == "frontend_restart":
         return next(f for f in FRONTENDS if f != WITNESSES["frontend"])
     if kind.startswith("error_"):

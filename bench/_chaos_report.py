@@ -27,6 +27,9 @@ def markers(control_plane: str) -> tuple[str, str]:
     )
 
 
+#: Sidecar runs listed one by one up to this many; beyond, one row per worker.
+_RUN_ROWS: Final = 20
+_ENDS: Final = ("finished", "cancelled", "failed", "rejected")
 #: A clean error is attributed to every fault active within this many seconds before it ended.
 _ATTRIBUTION_S: Final = 1.0
 
@@ -168,18 +171,7 @@ class Report:
         ]
         lines += ["violations by kind: " + (", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) or "none")]
         rec = self.reconciliation
-        lines += [
-            "",
-            "| sidecar run | ended | received | finished | cancelled | failed | rejected |",
-            "|---|---|---:|---:|---:|---:|---:|",
-        ]
-        for life in rec.lives:
-            if life.metrics is not None:
-                received, ended = life.metrics
-                cells = [str(received), *(str(ended[o]) for o in ("finished", "cancelled", "failed", "rejected"))]
-            else:
-                cells = ["—", *(f"{life.log.get(o, 0)} (log)" for o in ("finished", "cancelled", "failed", "rejected"))]
-            lines.append(f"| {life.worker} #{life.life} | {life.end} | " + " | ".join(cells) + " |")
+        lines += ["", *(self._runs_by_worker() if len(rec.lives) > _RUN_ROWS else self._runs())]
         lines += [
             "",
             f"complete answers seen by clients: {dict(rec.complete)}; finished on the sidecars: {dict(rec.finished)} "
@@ -204,6 +196,39 @@ class Report:
             lines += ["", *self.resources.table()]
         lines += ["", *self.verdict_lines()]
         return "\n".join(lines)
+
+    def _runs(self) -> list[str]:
+        lines = [
+            "| sidecar run | ended | received | finished | cancelled | failed | rejected |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for life in self.reconciliation.lives:
+            if life.metrics is not None:
+                received, ended = life.metrics
+                cells = [str(received), *(str(ended[o]) for o in _ENDS)]
+            else:
+                cells = ["—", *(f"{life.log.get(o, 0)} (log)" for o in _ENDS)]
+            lines.append(f"| {life.worker} #{life.life} | {life.end} | " + " | ".join(cells) + " |")
+        return lines
+
+    def _runs_by_worker(self) -> list[str]:
+        """One row per worker (a long run has a row per sidecar run otherwise): how its runs ended, and the ends of
+        all of them (the running one's from its metrics, the others' from their log)."""
+        lines = [
+            "| sidecar | runs (how they ended) | finished | cancelled | failed | rejected |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        by_worker: dict[str, list[Any]] = defaultdict(list)
+        for life in self.reconciliation.lives:
+            by_worker[life.worker].append(life)
+        for worker, lives in by_worker.items():
+            ended = Counter(life.end for life in lives)
+            totals: Counter[str] = Counter()
+            for life in lives:
+                totals.update(life.metrics[1] if life.metrics is not None else {o: life.log.get(o, 0) for o in _ENDS})
+            how = ", ".join(f"{n} {end}" for end, n in sorted(ended.items()))
+            lines.append(f"| {worker} | {len(lives)} ({how}) | " + " | ".join(str(totals[o]) for o in _ENDS) + " |")
+        return lines
 
     def transcript_text(self, transcript: Transcript, verdict: Verdict, reference: Answer | None) -> str:
         active = self.active_at(transcript.started, transcript.ended or transcript.started)

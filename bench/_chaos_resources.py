@@ -39,6 +39,8 @@ FLOORS: Final = {"rss_mb": (4.0, 0.03), "fds": (4.0, 0.0), "threads": (2.0, 0.0)
                  "asyncio_tasks": (4.0, 0.0)}  # fmt: skip
 #: Times the residual standard deviation a rise must exceed.
 NOISE_FACTOR: Final = 3.0
+#: A trend over a shorter life is shown, never judged: minutes of samples cannot tell growth from warming up.
+MIN_SPAN_S: Final = 240.0
 #: The chaos program itself: sampled and shown, never judged (it keeps every request's verdict by design).
 HARNESS: Final = "bench.chaos (this program)"
 #: Task figures compared idle before and idle after the load.
@@ -162,7 +164,9 @@ def fit(samples: Sequence[Sample], figure: str, life_starts: dict[int, float], w
     rise = slope * span
     fixed, share = FLOORS[figure]
     threshold = max(fixed, share * level, NOISE_FACTOR * noise)
-    return Trend(level, slope * 3600, noise, span, len(groups), rise, threshold, rise > threshold)
+    return Trend(
+        level, slope * 3600, noise, span, len(groups), rise, threshold, rise > threshold and span >= MIN_SPAN_S
+    )
 
 
 @dataclass(frozen=True)
@@ -224,7 +228,8 @@ class Resources:
         return out
 
     def unmeasured(self) -> list[str]:
-        return [n for n, trends in self.trends.items() if n != HARNESS and trends["rss_mb"].slope_h is None]
+        """Processes with no life long enough to judge a trend (``MIN_SPAN_S`` after its warm-up)."""
+        return [n for n, trends in self.trends.items() if n != HARNESS and trends["rss_mb"].span_s < MIN_SPAN_S]
 
     @property
     def flat(self) -> bool:
@@ -237,8 +242,10 @@ class Resources:
         if grown:
             return "resources: GREW — " + "; ".join(grown)
         line = f"resources: flat ({measured} of {judged} processes measured"
-        if self.unmeasured():
-            line += f"; no life long enough to fit: {', '.join(self.unmeasured())}"
+        if not measured:
+            line = f"resources: not judged (no life lasted {MIN_SPAN_S / 60:.0f} minutes after its warm-up"
+        elif self.unmeasured():
+            line += f"; no life long enough to judge: {', '.join(self.unmeasured())}"
         return line + ")"
 
     def table(self) -> list[str]:
@@ -296,6 +303,7 @@ __all__ = [
     "FLOORS",
     "HARNESS",
     "IDLE_FIGURES",
+    "MIN_SPAN_S",
     "Idle",
     "Resources",
     "Sample",
