@@ -333,28 +333,62 @@ def log_ends(path: Path, tally: Tally | None = None) -> list[End]:
     return ends
 
 
-def migrated_usage(verdict: Verdict, answer: Answer, reference: Answer, attempts: list[End]) -> Verdict:
+def migrated_usage(verdict: Verdict, answer: Answer, reference: Answer, moved_by_frontend: int | None) -> Verdict:
     """A ``usage_mismatch`` that is exactly what Dynamo 1.6.1 reports after a migration, as a complete answer.
 
     The frontend migrates a stream by sending the prompt *plus the tokens generated so far* to the next worker, and
     then takes ``prompt_tokens`` from that worker's usage while it counts ``completion_tokens`` itself; the worker
     cannot tell the original prompt from the tokens appended to it. So the client's ``prompt_tokens`` counts the
-    ``d`` tokens generated before the migration. Proven from the sidecar's own end line of the attempt that finished:
-    it received ``prompt + d`` tokens and generated the other ``completion - d``.
+    ``d`` tokens generated before the migration.
+
+    Excused exactly when: the text, finish reason, logprobs and ``completion_tokens`` equal the reference (the
+    checker compared them before); ``total_tokens = prompt_tokens + completion_tokens``; one choice (``n > 1`` is
+    never migrated); and the surplus ``d = prompt_tokens - reference`` is what the frontend itself says it appended:
+    ``moved_by_frontend``, the ``migration.tokens_completed`` of its last migration retry of this request
+    (:func:`frontend_migrations`), with ``0 < d <= completion_tokens``. Anything else stays a violation.
+
+    The frontend's own record, not the sidecar's end line of the last attempt: that line need not show ``d``. The
+    frontend applies stop strings and EOS itself and ends the stream there, so the last attempt may log more output
+    tokens than the client counts, or end ``cancelled``; and a worker SIGKILLed after its last chunk logs no end.
     """
     got, ref = answer.usage_key(), reference.usage_key()
     if verdict.kind != "usage_mismatch" or got is None or ref is None or len(answer.choices) != 1:
         return verdict
     prompt, completion, total = got
-    finished = [a for a in attempts if a.outcome == "finished"]
-    if completion != ref[1] or total != prompt + completion or len(finished) != 1:
-        return verdict
     moved = prompt - ref[0]
-    last = finished[0]
-    if 0 < moved <= completion and last.tokens_in == prompt and last.tokens_out == completion - moved:
-        detail = f"prompt_tokens {prompt} = {ref[0]} + {moved} generated before the migration (Dynamo 1.6.1)"
-        return Verdict("complete", "migrated_prompt_tokens", detail)
-    return verdict
+    if completion != ref[1] or total != prompt + completion or not 0 < moved <= completion:
+        return verdict
+    if moved_by_frontend != moved:
+        return verdict
+    detail = f"prompt_tokens {prompt} = {ref[0]} + {moved} generated before the migration (Dynamo 1.6.1)"
+    return Verdict("complete", "migrated_prompt_tokens", detail)
+
+
+#: Dynamo 1.6.1's frontend, at INFO, when it migrates a request (``migration.tokens_completed``: the tokens it
+#: appends to the prompt), and the request ids of a line: its own span's and the worker-side id, both on a route line.
+_MIGRATION = re.compile(r"migration retry scheduled .*?\bmigration\.tokens_completed=(\d+)")
+_REQUEST_IDS = re.compile(r"\brequest_id=([0-9A-Za-z-]+)")
+
+
+def frontend_migrations(paths: Sequence[Path], wanted: set[str], tally: Tally) -> dict[str, int]:
+    """For each wanted worker-side request id, the ``migration.tokens_completed`` of the last migration retry a
+    frontend scheduled for it (its log names the retry by its own span id, which a route line pairs with the
+    worker-side id)."""
+    moved: dict[str, int] = {}
+    for path in paths:
+        alias: dict[str, str] = {}  # the frontend's span id -> the worker-side id
+        for record in records(path, tally, "frontend"):
+            ids = _REQUEST_IDS.findall(record.text)
+            if not ids:
+                continue
+            known = next((alias.get(i, i) for i in ids if alias.get(i, i) in wanted), None)
+            if known is None:
+                continue
+            alias.update(dict.fromkeys(ids, known))
+            match = _MIGRATION.search(record.text)
+            if match is not None:
+                moved[known] = max(moved.get(known, 0), int(match.group(1)))
+    return moved
 
 
 def metric_counts(page: str) -> tuple[int, dict[str, int]] | None:

@@ -49,6 +49,7 @@ from bench._chaos_check import (
     LifeCounts,
     Verdict,
     frontend_lost,
+    frontend_migrations,
     judge,
     log_ends,
     metric_counts,
@@ -497,14 +498,26 @@ async def _run(
             if life_counts.worker != "pd-prefill":
                 for end in life_counts.ends:
                     attempts.setdefault(end.request_id, []).append(end)
+        mismatched = {
+            rid for _, v, seen in load.results if seen and v.kind == "usage_mismatch" for rid in request_ids(seen)
+        }
+        frontend_logs = [life.process.log_path for f in topo.frontends.values() for life in f.managed.lives]
+        moved = frontend_migrations(frontend_logs, mismatched, tally)
         verdicts: list[tuple[Transcript, Verdict, Answer | None]] = []
         for transcript, verdict, seen in sorted(load.results, key=lambda r: r[0].number):
             if seen is not None and verdict.kind == "usage_mismatch":
-                tried = [a for rid in request_ids(seen) for a in attempts.get(rid, [])]
-                excused = migrated_usage(verdict, seen, refs[transcript.template.name], tried)
-                if excused.outcome == "violation":  # the transcript then shows what the sidecars logged
+                ids = request_ids(seen)
+                by_frontend = max((moved[rid] for rid in ids if rid in moved), default=None)
+                excused = migrated_usage(verdict, seen, refs[transcript.template.name], by_frontend)
+                if excused.outcome == "violation":  # the transcript then shows what the frontend and sidecars said
+                    tried = [a for rid in ids for a in attempts.get(rid, [])]
                     shown = "; ".join(f"{a.outcome} ({a.reason}) {a.tokens_in} in / {a.tokens_out} out" for a in tried)
-                    excused = Verdict(excused.outcome, excused.kind, f"{excused.detail}; attempts: {shown or 'none'}")
+                    excused = Verdict(
+                        "violation",
+                        excused.kind,
+                        f"{excused.detail}; the frontend's migrations moved {by_frontend} tokens; the sidecars' "
+                        f"attempts: {shown or 'none'}",
+                    )
                 verdict = excused
             verdicts.append((transcript, verdict, seen))
         reconciliation = reconcile(lives, verdicts, own_ids)

@@ -20,6 +20,7 @@ from bench._chaos_check import (
     LifeCounts,
     Verdict,
     frontend_lost,
+    frontend_migrations,
     judge,
     log_ends,
     metric_counts,
@@ -268,27 +269,30 @@ async def test_the_proxy_carries_bytes_in_order_and_its_faults_hold_and_release_
             nursery.cancel_scope.cancel()
 
 
-def test_a_prompt_counted_with_the_tokens_before_a_migration_is_accepted_only_when_the_sidecar_log_proves_it(
+def test_a_prompt_counted_with_the_tokens_before_a_migration_is_accepted_only_when_the_frontend_moved_them(
     reference: Answer,
 ) -> None:
     """Dynamo 1.6.1 takes ``prompt_tokens`` from the last attempt's worker, whose prompt holds the tokens generated
-    before the migration: 5 + 3 here. Accepted as complete only when the attempt that finished received 8 tokens
-    and generated the other 1."""
+    before the migration: 5 + 3 here. Accepted as complete only when the frontend's own record of the migration
+    says it appended exactly those 3 tokens, and everything else (text, completion, total) is exact."""
     lines = [*WHOLE[:4], chunk(usage={**USAGE, "prompt_tokens": 8, "total_tokens": 12}), "data: [DONE]"]
     answer = parse(streamed(CHAT_STREAM, lines))
     verdict = judge(streamed(CHAT_STREAM, lines), reference)
     assert verdict.kind == "usage_mismatch"
-    first = End("abc", "failed", "engine lost", 5, 3)
-    last = End("abc", "finished", "length", 8, 1)
-    accepted = migrated_usage(verdict, answer, reference, [first, last])
+    accepted = migrated_usage(verdict, answer, reference, 3)
     assert (accepted.outcome, accepted.kind) == ("complete", "migrated_prompt_tokens")
-    assert migrated_usage(verdict, answer, reference, [first, End("abc", "finished", "length", 8, 4)]) == verdict
-    assert migrated_usage(verdict, answer, reference, [End("abc", "finished", "length", 5, 4)]) == verdict
+    assert migrated_usage(verdict, answer, reference, 2) == verdict, "the frontend moved other tokens"
+    assert migrated_usage(verdict, answer, reference, None) == verdict, "no migration in the frontend's log"
     wrong_completion = [*WHOLE[:4], chunk(usage={**USAGE, "prompt_tokens": 8, "completion_tokens": 5}), "data: [DONE]"]
     other = parse(streamed(CHAT_STREAM, wrong_completion))
-    assert migrated_usage(
-        judge(streamed(CHAT_STREAM, wrong_completion), reference), other, reference, [first, last]
-    ).kind == ("usage_mismatch")
+    assert migrated_usage(judge(streamed(CHAT_STREAM, wrong_completion), reference), other, reference, 3).kind == (
+        "usage_mismatch"
+    )
+    more_than_generated = [*WHOLE[:4], chunk(usage={**USAGE, "prompt_tokens": 10, "total_tokens": 14}), "data: [DONE]"]
+    beyond = parse(streamed(CHAT_STREAM, more_than_generated))
+    assert migrated_usage(judge(streamed(CHAT_STREAM, more_than_generated), reference), beyond, reference, 5) == (
+        judge(streamed(CHAT_STREAM, more_than_generated), reference)
+    ), "5 tokens cannot have been generated before a migration of a 4-token answer"
 
 
 def test_the_request_end_lines_are_read_whatever_their_reason_holds(tmp_path: Path) -> None:
@@ -485,3 +489,40 @@ def test_discovery_entries_are_one_set_per_live_worker_and_none_of_a_dead_instan
     assert left == [f"lease {first:x} of no live worker holds 4 entries, e.g. {sorted(expected['w1'])[:2]}"]
     lost = problems(entries(second, "33337fe116200")[1:], {"w1": second}, expected)
     assert lost == [f"w1 ({second:x}) lacks ['v1/instances/dynamo/backend/generate/<id>']"]
+
+
+def _frontend_line(stamp: str, text: str) -> str:
+    """A line of Dynamo's frontend log as it writes them off a terminal (ANSI colour codes included)."""
+    return f"\x1b[2m2026-01-01T10:00:{stamp}Z\x1b[0m \x1b[32m INFO\x1b[0m \x1b[1mhttp-request\x1b[0m: {text}"
+
+
+def test_the_frontends_migrations_are_read_by_the_worker_side_request_id(tmp_path: Path) -> None:
+    """The frontend names a retry by its own span id; a route line pairs that id with the worker-side one (the id
+    of the client's answer and of the sidecars' end lines)."""
+    span, worker_id = "3ee6c78d-de13-4371-a99f-2be22adc03ce", "2b5155b6-8cac-450c-8199-988b8d852db8"
+    route = (
+        f'request_span: route request completed request.outcome="success" method=POST request_id={span} '
+        f'otel.kind="client" request_id={worker_id} phase=Decode request.attempt={{}} migration.tokens_completed={{}}'
+    )
+    retry = (
+        "request_span: migration retry scheduled request.attempt={} migration.is_retry=true "
+        'migration.reason="stream_disconnected" migration.tokens_completed={} method=POST request_id=' + span
+    )
+    log = tmp_path / "fe1.log"
+    log.write_text(
+        "\n".join(
+            [
+                _frontend_line("00.000", route.format(0, 0)),
+                _frontend_line("01.000", retry.format(1, 9)),
+                "Stack backtrace:",  # a multi-line ERROR's continuation: counted, not read
+                _frontend_line("01.100", retry.format(2, 15)),
+                _frontend_line("01.200", route.format(2, 15)),
+                _frontend_line("02.000", retry.format(1, 4).replace(span, "other-span")),
+                "",
+            ]
+        )
+    )
+    tally = Tally()
+    assert frontend_migrations([log], {worker_id}, tally) == {worker_id: 15}
+    assert tally.unknown == {"frontend": 1}
+    assert frontend_migrations([log], {"someone-else"}, Tally()) == {}
