@@ -28,6 +28,7 @@ from bench._chaos_check import (
     parse,
     reconcile,
     reference_problems,
+    request_ids,
 )
 from bench._chaos_discovery import problems, sets
 from bench._chaos_faults import FAULT_KINDS, QUIET_S, WITNESSES, kv_faults, observed_kv_faults, plan
@@ -526,3 +527,46 @@ def test_the_frontends_migrations_are_read_by_the_worker_side_request_id(tmp_pat
     assert frontend_migrations([log], {worker_id}, tally) == {worker_id: 15}
     assert tally.unknown == {"frontend": 1}
     assert frontend_migrations([log], {"someone-else"}, Tally()) == {}
+
+
+PD_STREAM = Template("t09-chat-s-pd-n1-r-stop", "chat", True, "pd", 1, {"max_tokens": 40, "stop": [","], "seed": 5})
+
+
+def test_the_soaks_usage_mismatch_on_a_migrated_disaggregated_answer_is_excused_by_the_frontends_record(
+    tmp_path: Path,
+) -> None:
+    """The shape of the full run's failure: a pair's streamed answer, its decode engine killed after 15 tokens, the
+    frontend migrated it (prompt 22 + 15) and it completed exactly; the client's ``prompt_tokens`` is 37, the
+    reference's 22. The decode sidecar's last attempt has no "finished" line with 22 − 15 out tokens (it ended at
+    the stop string the frontend applies itself: ``cancelled``, one token past it), which the old excuse required;
+    the frontend's own migration line says it appended 15 tokens, which is what the checker now asks."""
+    usage = {"prompt_tokens": 22, "completion_tokens": 20, "total_tokens": 42}
+    body = [chunk(" ".join(["word"] * 10)), chunk(" more words,", "stop"), chunk(usage=usage), "data: [DONE]"]
+    reference = parse(streamed(PD_STREAM, body))
+    migrated = [*body[:2], chunk(usage={**usage, "prompt_tokens": 37, "total_tokens": 57}), "data: [DONE]"]
+    answer = parse(streamed(PD_STREAM, migrated))
+    verdict = judge(streamed(PD_STREAM, migrated), reference)
+    assert (verdict.kind, verdict.detail) == ("usage_mismatch", "usage (37, 20, 57) vs (22, 20, 42)")
+    # What the decode sidecar logged: the attempt that lost its engine, and the one the frontend cut at the stop.
+    sidecar_attempts = [End("abc", "failed", "Generate: UNAVAILABLE", 22, 15), End("abc", "cancelled", "-", 37, 6)]
+    assert not [a for a in sidecar_attempts if a.outcome == "finished"], "nothing the old excuse could accept"
+    span = "3ee6c78d-de13-4371-a99f-2be22adc03ce"
+    log = tmp_path / "fe2.log"
+    log.write_text(
+        _frontend_line(
+            "00.000",
+            f"request_span: route request completed request_id={span} request_id=abc phase=Decode "
+            'request.attempt=0 migration.tokens_completed=0 request.outcome="worker_disconnected"',
+        )
+        + "\n"
+        + _frontend_line(
+            "00.500",
+            "request_span: migration retry scheduled request.attempt=1 migration.is_retry=true "
+            f'migration.reason="backend_disconnected" migration.tokens_completed=15 request_id={span}',
+        )
+        + "\n"
+    )
+    moved = frontend_migrations([log], request_ids(answer), Tally())
+    assert moved == {"abc": 15}
+    excused = migrated_usage(verdict, answer, reference, moved["abc"])
+    assert (excused.outcome, excused.kind) == ("complete", "migrated_prompt_tokens")
