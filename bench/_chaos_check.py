@@ -31,14 +31,14 @@ from bench._chaos_logs import Tally, records
 Outcome = Literal["complete", "clean_error", "cancelled", "violation"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Choice:
     text: str = ""
     finishes: list[str] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class Answer:
     """A response in a form that compares: what each choice said, the usage, the errors, whether it ended."""
 
@@ -69,7 +69,7 @@ class Answer:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Verdict:
     outcome: Outcome
     kind: str

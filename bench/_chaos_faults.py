@@ -89,6 +89,11 @@ FAULT_KINDS: Final[dict[str, tuple[int, int]]] = {
     "partition_cp": (0, 2),
     "partition_engine": (0, 2),
 }
+#: After a host's control plane (etcd) was out of reach, this long of reach before the next outage: Dynamo's lease
+#: keep-alive retries back off to ~10 s, so outages in quick succession add up on the 30 s lease's clock and the
+#: runtime gives the lease up (docs/distributed.md, "Repeated short outages are not short"). Seen: a worker cut from
+#: etcd four times in 40 s (two partitions, two etcd pauses, none longer than 7 s) lost its lease and exited.
+CP_REST_S: Final = 30.0
 #: What the schedule never restarts (see the module docstring).
 WITNESSES: Final = {"sidecar": "w3", "engine": "w2", "frontend": "fe2"}
 #: Kinds that restart their target process.
@@ -217,6 +222,8 @@ class ChaosState:
     frontend_stops: dict[str, list[float]] = field(default_factory=dict)
     #: Why partitions cannot run here (None: they can).
     partition_unavailable: str | None = None
+    #: Host ("*": every host) -> until when its control plane must stay reachable (``CP_REST_S``).
+    cp_rest_until: dict[str, float] = field(default_factory=dict)
 
     def record(self, planned: PlannedFault) -> FaultRecord:
         rec = FaultRecord(planned)
@@ -240,6 +247,10 @@ async def run_plan(state: ChaosState, faults: list[PlannedFault], seed: int) -> 
                 continue
             if lock & state.busy:
                 rec.skipped = f"target busy ({', '.join(sorted(lock & state.busy))})"
+                continue
+            resting = _cp_resting(state, planned)
+            if resting is not None:
+                rec.skipped = resting
                 continue
             worker = planned.target if planned.target in state.topo.workers else None
             others = {w for w in state.disrupted if w in AGG_WORKERS}
@@ -270,6 +281,31 @@ def _lock_of(planned: PlannedFault) -> set[str]:
     return {target}
 
 
+def _cp_hosts(planned: PlannedFault) -> set[str]:
+    """The hosts whose etcd lease a fault puts at risk ("*": all of them)."""
+    if planned.kind == "etcd_pause":
+        return {"*"}
+    if planned.kind == "partition_cp":
+        return {_host_of(planned.target)}
+    return set()
+
+
+def _cp_resting(state: ChaosState, planned: PlannedFault) -> str | None:
+    """Why a control-plane outage must wait (another one is on, or one ended less than ``CP_REST_S`` ago)."""
+    hosts = _cp_hosts(planned)
+    if not hosts:
+        return None
+    now = state.clock()
+    for key in state.busy:
+        if ("*" in hosts and key.endswith("-cp")) or key == "etcd":
+            return f"another control-plane outage is on ({key})"
+    relevant = state.cp_rest_until if "*" in hosts else {h: state.cp_rest_until.get(h, 0.0) for h in {*hosts, "*"}}
+    waiting = {h: until for h, until in relevant.items() if until > now}
+    if waiting:
+        return f"control plane of {', '.join(sorted(waiting))} out of reach less than {CP_REST_S:.0f} s ago"
+    return None
+
+
 def _host_of(worker: str) -> str:
     """The host a worker runs on (the pair shares one)."""
     return "pd" if worker in PD_WORKERS else worker
@@ -292,6 +328,8 @@ async def _inject(state: ChaosState, rec: FaultRecord, lock: set[str], rng: rand
     finally:
         if rec.lifted is None:
             rec.lifted = state.clock()
+        for host in _cp_hosts(planned):
+            state.cp_rest_until[host] = state.clock() + CP_REST_S
         state.busy -= lock
         state.disrupted.discard(target)
 

@@ -23,11 +23,13 @@ same life). ``resources: flat`` when nothing grew.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import re
+import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Final
 
 import httpx
@@ -122,51 +124,78 @@ class Trend:
     """One figure of one process over the load."""
 
     level: float | None  # median after warm-up
-    slope_h: float | None  # per hour, within lives
+    slope_h: float | None  # per hour, within lives (and within the parts of a life around its one step)
     noise: float | None  # residual standard deviation around the trend
     span_s: float  # the longest life's measured span
     lives: int  # lives that carried a slope
     rise: float | None  # slope over the longest span
     threshold: float | None
     grew: bool
+    #: One-off level shifts, at most one per life: ``(life, t, size)``.
+    steps: tuple[tuple[int, float, float], ...] = ()
+
+
+#: A jump between two samples is a level shift when it exceeds the figure's floor and this many times the median
+#: jump of its life.
+STEP_FACTOR: Final = 8.0
+
+
+def _split(points: list[tuple[float, float]], floor: float) -> tuple[list[list[tuple[float, float]]], float | None]:
+    """A life's points as one segment, or two around its largest jump when that jump is a level shift (a runtime
+    that allocates a buffer once and keeps it; every Dynamo process, sidecar or frontend, does so once, by ~53 MB).
+    A second shift stays in a segment, where the slope sees it: growth in steps is growth."""
+    if len(points) < 6:
+        return [points], None
+    jumps = [b[1] - a[1] for a, b in itertools.pairwise(points)]
+    at = max(range(len(jumps)), key=lambda k: abs(jumps[k]))
+    typical = statistics.median(abs(j) for k, j in enumerate(jumps) if k != at)
+    if abs(jumps[at]) <= max(floor, STEP_FACTOR * typical):
+        return [points], None
+    return [points[: at + 1], points[at + 1 :]], jumps[at]
 
 
 def fit(samples: Sequence[Sample], figure: str, life_starts: dict[int, float], warmup_s: float) -> Trend:
     """The within-life trend of ``figure`` over the load's samples after each life's warm-up."""
-    groups: dict[int, list[tuple[float, float]]] = {}
+    lives: dict[int, list[tuple[float, float]]] = {}
     for s in samples:
         value = s.value(figure)
         if s.phase != "load" or value is None:
             continue
         if s.t < max(life_starts.get(s.life, 0.0), 0.0) + warmup_s:
             continue
-        groups.setdefault(s.life, []).append((s.t, value))
-    groups = {life: points for life, points in groups.items() if len(points) >= 3}
-    values = sorted(v for points in groups.values() for _, v in points)
-    if not groups:
+        lives.setdefault(s.life, []).append((s.t, value))
+    lives = {life: points for life, points in lives.items() if len(points) >= 3}
+    if not lives:
         return Trend(None, None, None, 0.0, 0, None, None, False)
+    values = sorted(v for points in lives.values() for _, v in points)
     level = values[len(values) // 2]
-    sxx = sxy = 0.0
-    for points in groups.values():
+    fixed, share = FLOORS[figure]
+    floor = max(fixed, share * level)
+    groups: list[list[tuple[float, float]]] = []
+    steps: list[tuple[int, float, float]] = []
+    for life, points in lives.items():
+        parts, step = _split(points, floor)
+        groups += [part for part in parts if len(part) >= 2]
+        if step is not None:
+            steps.append((life, parts[1][0][0], step))
+    sxx = sxy = residual = 0.0
+    for points in groups:
         mt = sum(t for t, _ in points) / len(points)
         mv = sum(v for _, v in points) / len(points)
         sxx += sum((t - mt) ** 2 for t, _ in points)
         sxy += sum((t - mt) * (v - mv) for t, v in points)
     slope = sxy / sxx if sxx > 0 else 0.0
-    residual = 0.0
-    for points in groups.values():
+    for points in groups:
         mt = sum(t for t, _ in points) / len(points)
         mv = sum(v for _, v in points) / len(points)
         residual += sum((v - mv - slope * (t - mt)) ** 2 for t, v in points)
-    freedom = len(values) - len(groups) - 1
+    freedom = sum(len(points) for points in groups) - len(groups) - 1
     noise = math.sqrt(residual / freedom) if freedom > 0 else 0.0
-    span = max(points[-1][0] - points[0][0] for points in groups.values())
+    span = max(points[-1][0] - points[0][0] for points in lives.values())
     rise = slope * span
-    fixed, share = FLOORS[figure]
-    threshold = max(fixed, share * level, NOISE_FACTOR * noise)
-    return Trend(
-        level, slope * 3600, noise, span, len(groups), rise, threshold, rise > threshold and span >= MIN_SPAN_S
-    )
+    threshold = max(floor, NOISE_FACTOR * noise)
+    grew = rise > threshold and span >= MIN_SPAN_S
+    return Trend(level, slope * 3600, noise, span, len(lives), rise, threshold, grew, tuple(steps))
 
 
 @dataclass(frozen=True)
@@ -269,14 +298,34 @@ class Resources:
                 + " | ".join(cells)
                 + f" | {idle_cell or '—'} |"
             )
-        return lines
+        return [*lines, *self._shifts()]
+
+    def _shifts(self) -> list[str]:
+        """The level shifts the fit set aside (one per life), summed up per figure."""
+        out = []
+        for figure in FIGURES:
+            sizes: list[float] = []
+            where: dict[str, int] = {}
+            for name, trends in self.trends.items():
+                for _, _, size in trends[figure].steps:
+                    sizes.append(size)
+                    where[name] = where.get(name, 0) + 1
+            if sizes:
+                names = ", ".join(f"{name} ×{n}" if n > 1 else name for name, n in where.items())
+                out.append(
+                    f"- {figure}: {len(sizes)} shift(s) of {min(sizes):+.0f} to {max(sizes):+.0f} {UNITS[figure]} "
+                    f"({names})"
+                )
+        if not out:
+            return []
+        return ["", "Level shifts set aside (at most one per life; a second one stays in the fit and counts):", *out]
 
     def to_json(self) -> dict[str, object]:
         return {
             "interval_s": self.interval_s,
             "warmup_s": self.warmup_s,
             "verdict": self.verdict(),
-            "trends": {name: {f: t.__dict__ for f, t in trends.items()} for name, trends in self.trends.items()},
+            "trends": {name: {f: asdict(t) for f, t in trends.items()} for name, trends in self.trends.items()},
             "samples": {p.name: [(s.t, s.life, s.phase, s.values) for s in p.samples] for p in self.processes},
         }
 

@@ -31,7 +31,18 @@ from bench._chaos_check import (
     request_ids,
 )
 from bench._chaos_discovery import problems, sets
-from bench._chaos_faults import FAULT_KINDS, QUIET_S, WITNESSES, kv_faults, observed_kv_faults, plan
+from bench._chaos_faults import (
+    CP_REST_S,
+    FAULT_KINDS,
+    QUIET_S,
+    WITNESSES,
+    ChaosState,
+    PlannedFault,
+    _cp_resting,
+    kv_faults,
+    observed_kv_faults,
+    plan,
+)
 from bench._chaos_load import Template, Transcript, catalogue
 from bench._chaos_logs import Tally
 from bench._chaos_net import ProxyLink
@@ -570,3 +581,40 @@ def test_the_soaks_usage_mismatch_on_a_migrated_disaggregated_answer_is_excused_
     assert moved == {"abc": 15}
     excused = migrated_usage(verdict, answer, reference, moved["abc"])
     assert (excused.outcome, excused.kind) == ("complete", "migrated_prompt_tokens")
+
+
+def test_one_level_shift_per_life_is_set_aside_and_a_second_one_is_growth() -> None:
+    """Every Dynamo process (sidecar or frontend) once allocates ~53 MB it keeps (measured: one shift per life, at a
+    random moment, flat before and after): not a leak. Two shifts in one life are growth in steps."""
+    once = [110.0] * 50 + [163.0] * 50
+    trend = fit(_series(once), "rss_mb", {1: 0.0}, warmup_s=0)
+    assert not trend.grew, trend
+    assert trend.steps == ((1, 1500.0, 53.0),)
+    assert trend.slope_h == pytest.approx(0, abs=0.01)
+    twice = [110.0] * 34 + [163.0] * 33 + [216.0] * 33
+    assert fit(_series(twice), "rss_mb", {1: 0.0}, warmup_s=0).grew
+    jitter = [48.0 + (i % 4) for i in range(100)]  # fds that come and go: no shift
+    assert fit(_series(jitter), "rss_mb", {1: 0.0}, warmup_s=0).steps == ()
+
+
+def test_control_plane_outages_of_a_host_are_a_lease_apart(tmp_path: Path) -> None:
+    """Outages in quick succession add up on the lease's clock (Dynamo's keep-alive backs off): a partition of a
+    host, or an etcd pause (every host), waits until that host has had the control plane for ``CP_REST_S``."""
+    now = [100.0]
+    state = ChaosState(build(tmp_path, "etcd", Network("loopback", {}), "proxy"), lambda: now[0])
+
+    def fault(kind: str, target: str) -> PlannedFault:
+        return PlannedFault(now[0], kind, target, 5.0, 0)
+
+    assert _cp_resting(state, fault("partition_cp", "w1")) is None
+    state.busy.add("w1-cp")
+    assert _cp_resting(state, fault("partition_cp", "w2")) is None, "another host's partition is independent"
+    assert _cp_resting(state, fault("etcd_pause", "etcd")) == "another control-plane outage is on (w1-cp)"
+    state.busy.discard("w1-cp")
+    state.cp_rest_until["w1"] = 100.0 + CP_REST_S
+    assert _cp_resting(state, fault("partition_cp", "w1")) == "control plane of w1 out of reach less than 30 s ago"
+    assert _cp_resting(state, fault("etcd_pause", "etcd")) is not None
+    assert _cp_resting(state, fault("partition_cp", "pd-decode")) is None
+    assert _cp_resting(state, fault("nats_pause", "nats")) is None, "NATS holds no lease"
+    now[0] += CP_REST_S
+    assert _cp_resting(state, fault("etcd_pause", "etcd")) is None
