@@ -272,9 +272,10 @@ class Load:
         seen = parse(transcript) if transcript.status == 200 else None
         if verdict.outcome != "violation":
             # The template rebuilds the request and the lines were judged: an hour's run keeps the ids (for the
-            # reconciliation) and the times (for the fault attribution) of its ~50 000 requests, ~0.5 KB each.
+            # reconciliation) and the times (for the fault attribution) of its ~50 000 requests, ~1 KB each.
             transcript.lines = _NO_LINES
             transcript.request = _NO_REQUEST
+            transcript.behaviour_detail = ""
             seen = None if seen is None else Answer(ids=seen.ids)
         self.results.append((transcript, verdict, seen))
 
