@@ -18,6 +18,7 @@ from bench._chaos_check import (
     Answer,
     End,
     LifeCounts,
+    Reconciliation,
     Verdict,
     frontend_lost,
     frontend_migrations,
@@ -37,6 +38,7 @@ from bench._chaos_faults import (
     QUIET_S,
     WITNESSES,
     ChaosState,
+    FaultRecord,
     PlannedFault,
     _cp_resting,
     kv_faults,
@@ -46,6 +48,7 @@ from bench._chaos_faults import (
 from bench._chaos_load import Template, Transcript, catalogue
 from bench._chaos_logs import Tally
 from bench._chaos_net import ProxyLink
+from bench._chaos_report import Report, markers, write_docs
 from bench._chaos_resources import HARNESS, Resources, Sample, Watched, fit, task_gauges
 from bench._chaos_topology import Life, Topology, build
 from bench.chaos import parse_args
@@ -618,3 +621,38 @@ def test_control_plane_outages_of_a_host_are_a_lease_apart(tmp_path: Path) -> No
     assert _cp_resting(state, fault("nats_pause", "nats")) is None, "NATS holds no lease"
     now[0] += CP_REST_S
     assert _cp_resting(state, fault("etcd_pause", "etcd")) is None
+
+
+def test_write_docs_puts_the_whole_report_with_both_verdicts_into_its_control_planes_section(tmp_path: Path) -> None:
+    """``--write-docs`` (the hour's run on etcd): requests, faults by kind, violations by kind, the resources table
+    and both verdict lines replace the etcd section of docs/faults.md, and nothing else of the file changes."""
+    docs = tmp_path / "faults.md"
+    original = (Path(__file__).resolve().parents[2] / "docs" / "faults.md").read_text()
+    docs.write_text(original)
+    transcript = streamed(CHAT_STREAM, [])
+    witness = Watched("sidecar w3", "sidecar", lambda: None)
+    witness.life_starts[1] = -60.0
+    witness.samples = [Sample(i * 30.0, 1, "load", (112.0, 48.0, 16.0, 22.0, 5.0)) for i in range(100)]
+    resources = Resources([witness], 30.0, 600.0)
+    resources.analyse()
+    faults = [FaultRecord(PlannedFault(10.0, "partition_cp", "w1", 5.0, 0), injected=10.0, lifted=15.0, recovered=15.2)]
+    report = Report(
+        seed=1, minutes=60, control_plane="etcd", network="proxy", network_note="test", faults=faults,
+        verdicts=[(transcript, Verdict("complete", "exact"), None)],
+        reconciliation=Reconciliation([], [], Counter(), Counter(), {"own": 0, "client_left": 0, "complete": 0}),
+        postconditions=[], anomalies=[], lora_reloads=0, elapsed_s=3700.0, resources=resources,
+    )  # fmt: skip
+    write_docs(docs, "etcd", report.docs_section("python -m bench.chaos --minutes 60 --control-plane etcd"))
+    text = docs.read_text()
+    begin, end = markers("etcd")
+    section = text[text.index(begin) : text.index(end)]
+    assert "$ python -m bench.chaos --minutes 60 --control-plane etcd" in section
+    assert "| 1 | 1 | 0 | 0 | 0 |" in section, "requests, exact, clean errors, client left, violations"
+    assert "| partition_cp | 1 | 0 | 0.2 s | 0.2 s | 0 |" in section
+    assert "| sidecar w3 | 1 | 50 min | 112.0 ± 0.0, +0.0/h |" in section
+    assert section.rstrip().endswith("violations: none\nresources: flat (1 of 1 processes measured)")
+    file_begin, file_end = markers("file")
+    assert (
+        text[text.index(file_begin) : text.index(file_end)]
+        == original[original.index(file_begin) : original.index(file_end)]
+    )
