@@ -649,7 +649,7 @@ def test_write_docs_puts_the_whole_report_with_both_verdicts_into_its_control_pl
     assert "$ python -m bench.chaos --minutes 60 --control-plane etcd" in section
     assert "| 1 | 1 | 0 | 0 | 0 |" in section, "requests, exact, clean errors, client left, violations"
     assert "| partition_cp | 1 | 0 | 0.2 s | 0.2 s | 0 |" in section
-    assert "| sidecar w3 | 1 | 50 min | 112.0 ± 0.0, +0.0/h |" in section
+    assert "| sidecar w3 | 1 | 40 min | 112.0 ± 0.0, +0.0/h |" in section
     assert section.rstrip().endswith("violations: none\nresources: flat (1 of 1 processes measured)")
     file_begin, file_end = markers("file")
     assert (
