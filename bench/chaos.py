@@ -3,6 +3,7 @@
     python -m bench.chaos --minutes 3 --seed 1                        # file discovery, loopback
     python -m bench.chaos --minutes 2 --seed 1 --control-plane etcd   # etcd + NATS (namespaces when root)
     python -m bench.chaos --minutes 3 --seed 1 --write-docs           # also update docs/faults.md
+    python -m bench.chaos --minutes 60 --control-plane etcd --write-docs   # the hour (the etcd figures of the docs)
 
 Topology (``bench._chaos_topology``): 2 Dynamo frontends (``--migration-limit 3``, KV router) × 3 aggregated
 workers, each an ``openengine-sidecar`` driving its own ``openengine-mock --profile full`` (KV events, LoRA), plus a
@@ -13,10 +14,13 @@ and the absolute position, so a migrated request must continue exactly where its
 Load (``bench._chaos_load``): a bounded closed loop of clients through both frontends. Faults
 (``bench._chaos_faults``): a seeded schedule, several overlapping. Checker (``bench._chaos_check``): every response
 complete and exactly equal to its reference, or a clean error with no ``finish_reason``; never a truncated 200.
-Afterwards every engine holds no request and no KV session, every worker serves, and the sidecars' counters
-reconcile with what the clients saw. The report (``bench._chaos_report``) is printed; ``--report PATH`` writes it
-as JSON, ``--write-docs`` into ``docs/faults.md``. A violation prints the seed and the request's full transcript.
-Exit status 0 only with no violation and every post-condition met; 2 for bad flags.
+Afterwards every engine holds no request and no KV session, every worker serves, on etcd each live worker holds
+one set of discovery entries and no dead instance any, and the sidecars' counters reconcile with what the clients
+saw. Resources (``bench._chaos_resources``): every long-lived process sampled through the run, slopes within lives,
+a verdict. The report (``bench._chaos_report``) is printed and ends with two verdict lines, ``violations: …`` and
+``resources: …``; ``--report PATH`` writes it as JSON, ``--write-docs`` into ``docs/faults.md``. A violation prints
+the seed and the request's full transcript. Exit status 0 only with no violation, every post-condition met and
+resources flat; 2 for bad flags.
 
 Bounded: every loop by count and time, every request by ``REQUEST_TIMEOUT_S``, every process stopped at the end
 (also on Ctrl-C or an error), nothing outside loopback or the project's network namespaces.
