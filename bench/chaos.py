@@ -416,37 +416,7 @@ async def _run(
         # Unwinding runs these last-first: the sidecars and engines stop (drain) while the proxies still carry their
         # traffic, then the control plane, then the background tasks (proxies) are cancelled.
         stack.callback(nursery.cancel_scope.cancel)
-        if args.control_plane == "etcd":
-            cluster = Cluster(
-                network, root, topo.env, etcd_port=free_low_port(), nats_port=free_low_port(), stack=stack
-            )
-            topo.cluster = cluster
-            stack.push_async_callback(_stop_control_plane, cluster)
-            await cluster.start_etcd()
-            await cluster.start_nats()
-            for frontend in topo.frontends.values():
-                frontend.managed.env = topo.host_env(frontend.host)
-            for worker in topo.workers.values():
-                worker.sidecar.env = topo.host_env(worker.host, DYN_SYSTEM_PORT=str(worker.system_port))
-        stack.push_async_callback(topo.stop_all)
-        for proxy in topo.proxies:
-            await nursery.start(proxy.run)
-        refs: dict[str, Answer] = {}
-
-        async def reference_task() -> None:
-            refs.update(await references(templates, root))
-
-        with trio.fail_after(STARTUP_TIMEOUT_S):
-            async with trio.open_nursery() as startup:
-                startup.start_soon(reference_task)
-                startup.start_soon(topo.start_all)
-            async with httpx.AsyncClient(timeout=30) as http:
-                for name in AGG_WORKERS:
-                    answer = await topo.load_lora(topo.workers[name])
-                    if answer.get("status") != "ok":
-                        raise RuntimeError(f"loading {LORA} on {name}: {answer}")
-                for frontend in topo.frontends.values():
-                    await _wait_serves(http, frontend.url, [MODEL, LORA, PD_MODEL], own_ids)
+        refs = await _start(args, root, topo, stack, nursery, templates, own_ids)
         expected_sets = await _discovery_sets(topo)
         print(f"bench.chaos: topology up and references ready after {time.monotonic() - started:.0f} s")
 
@@ -485,18 +455,7 @@ async def _run(
             sampler_scope.cancel()
             print(f"bench.chaos: load done ({len(load.results)} requests) at {state.clock():.0f} s; healing")
 
-            postconditions: list[tuple[str, bool, str]] = []
-            healed = False
-            states: dict[str, str] = {}
-            async with httpx.AsyncClient(timeout=10) as http:
-                with trio.move_on_after(HEAL_TIMEOUT_S):
-                    while True:
-                        healed, states = await whole(state, http)
-                        if healed:
-                            break
-                        await trio.sleep(0.5)
-            postconditions.append(("every worker serving and listed by both frontends", healed, str(states)))
-            postconditions += await engines_quiet(topo, QUIESCE_TIMEOUT_S)
+            postconditions = await _heal(state)
             monitor_scope.cancel()  # nothing restarts from here on
             if topo.cluster is not None:
                 postconditions.append(await _discovery_settled(topo, expected_sets))
@@ -509,28 +468,7 @@ async def _run(
             if life_counts.worker != "pd-prefill":
                 for end in life_counts.ends:
                     attempts.setdefault(end.request_id, []).append(end)
-        mismatched = {
-            rid for _, v, seen in load.results if seen and v.kind == "usage_mismatch" for rid in request_ids(seen)
-        }
-        frontend_logs = [life.process.log_path for f in topo.frontends.values() for life in f.managed.lives]
-        moved = frontend_migrations(frontend_logs, mismatched, tally)
-        verdicts: list[tuple[Transcript, Verdict, Answer | None]] = []
-        for transcript, verdict, seen in sorted(load.results, key=lambda r: r[0].number):
-            if seen is not None and verdict.kind == "usage_mismatch":
-                ids = request_ids(seen)
-                by_frontend = max((moved[rid] for rid in ids if rid in moved), default=None)
-                excused = migrated_usage(verdict, seen, refs[transcript.template.name], by_frontend)
-                if excused.outcome == "violation":  # the transcript then shows what the frontend and sidecars said
-                    tried = [a for rid in ids for a in attempts.get(rid, [])]
-                    shown = "; ".join(f"{a.outcome} ({a.reason}) {a.tokens_in} in / {a.tokens_out} out" for a in tried)
-                    excused = Verdict(
-                        "violation",
-                        excused.kind,
-                        f"{excused.detail}; the frontend's migrations moved {by_frontend} tokens; the sidecars' "
-                        f"attempts: {shown or 'none'}",
-                    )
-                verdict = excused
-            verdicts.append((transcript, verdict, seen))
+        verdicts = _excuse_migrations(topo, load, attempts, tally)
         reconciliation = reconcile(lives, verdicts, own_ids)
         migrated = sum(
             1
@@ -570,6 +508,95 @@ async def _run(
         report.elapsed_s = time.monotonic() - started
         return report
     raise AssertionError("unreachable")
+
+
+async def _start(
+    args: Args,
+    root: Path,
+    topo: Topology,
+    stack: AsyncExitStack,
+    nursery: trio.Nursery,
+    templates: list[Template],
+    own_ids: set[str],
+) -> dict[str, Answer]:
+    """The control plane (etcd), the proxies, the topology and the references (at once), the LoRA adapter on every
+    aggregated worker, and every model served through every frontend; returns the references. What is started is
+    stopped by ``stack``; this program's own warm-up requests' ids go to ``own_ids``."""
+    if args.control_plane == "etcd":
+        cluster = Cluster(
+            topo.network, root, topo.env, etcd_port=free_low_port(), nats_port=free_low_port(), stack=stack
+        )
+        topo.cluster = cluster
+        stack.push_async_callback(_stop_control_plane, cluster)
+        await cluster.start_etcd()
+        await cluster.start_nats()
+        for frontend in topo.frontends.values():
+            frontend.managed.env = topo.host_env(frontend.host)
+        for worker in topo.workers.values():
+            worker.sidecar.env = topo.host_env(worker.host, DYN_SYSTEM_PORT=str(worker.system_port))
+    stack.push_async_callback(topo.stop_all)
+    for proxy in topo.proxies:
+        await nursery.start(proxy.run)
+    refs: dict[str, Answer] = {}
+
+    async def reference_task() -> None:
+        refs.update(await references(templates, root))
+
+    with trio.fail_after(STARTUP_TIMEOUT_S):
+        async with trio.open_nursery() as startup:
+            startup.start_soon(reference_task)
+            startup.start_soon(topo.start_all)
+        async with httpx.AsyncClient(timeout=30) as http:
+            for name in AGG_WORKERS:
+                answer = await topo.load_lora(topo.workers[name])
+                if answer.get("status") != "ok":
+                    raise RuntimeError(f"loading {LORA} on {name}: {answer}")
+            for frontend in topo.frontends.values():
+                await _wait_serves(http, frontend.url, [MODEL, LORA, PD_MODEL], own_ids)
+    return refs
+
+
+async def _heal(state: ChaosState) -> list[tuple[str, bool, str]]:
+    """The faults have stopped: the topology must be whole within ``HEAL_TIMEOUT_S``, then every engine quiet."""
+    healed = False
+    states: dict[str, str] = {}
+    async with httpx.AsyncClient(timeout=10) as http:
+        with trio.move_on_after(HEAL_TIMEOUT_S):
+            while True:
+                healed, states = await whole(state, http)
+                if healed:
+                    break
+                await trio.sleep(0.5)
+    postconditions = [("every worker serving and listed by both frontends", healed, str(states))]
+    return postconditions + await engines_quiet(state.topo, QUIESCE_TIMEOUT_S)
+
+
+def _excuse_migrations(
+    topo: Topology, load: Load, attempts: dict[str, list[End]], tally: Tally
+) -> list[tuple[Transcript, Verdict, Answer | None]]:
+    """Every request's verdict, in order; a ``usage_mismatch`` judged again with the frontend's record of the
+    migration (``migrated_usage``), and when it stays a violation, with what the frontend and the sidecars said."""
+    mismatched = {
+        rid for _, v, seen in load.results if seen and v.kind == "usage_mismatch" for rid in request_ids(seen)
+    }
+    frontend_logs = [life.process.log_path for f in topo.frontends.values() for life in f.managed.lives]
+    moved = frontend_migrations(frontend_logs, mismatched, tally)
+    verdicts: list[tuple[Transcript, Verdict, Answer | None]] = []
+    for transcript, verdict, seen in sorted(load.results, key=lambda r: r[0].number):
+        if seen is not None and verdict.kind == "usage_mismatch":
+            ids = request_ids(seen)
+            by_frontend = max((moved[rid] for rid in ids if rid in moved), default=None)
+            verdict = migrated_usage(verdict, seen, load.references[transcript.template.name], by_frontend)
+            if verdict.outcome == "violation":
+                tried = [a for rid in ids for a in attempts.get(rid, [])]
+                shown = "; ".join(f"{a.outcome} ({a.reason}) {a.tokens_in} in / {a.tokens_out} out" for a in tried)
+                detail = (
+                    f"{verdict.detail}; the frontend's migrations moved {by_frontend} tokens; the sidecars' "
+                    f"attempts: {shown or 'none'}"
+                )
+                verdict = Verdict("violation", verdict.kind, detail)
+        verdicts.append((transcript, verdict, seen))
+    return verdicts
 
 
 def watched(topo: Topology, mono0: float) -> list[Watched]:
