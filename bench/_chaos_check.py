@@ -22,23 +22,23 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from bench._chaos_load import Template, Transcript, events
+from bench._chaos_logs import Tally, records
 
 Outcome = Literal["complete", "clean_error", "cancelled", "violation"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Choice:
     text: str = ""
     finishes: list[str] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class Answer:
     """A response in a form that compares: what each choice said, the usage, the errors, whether it ended."""
 
@@ -69,11 +69,15 @@ class Answer:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Verdict:
     outcome: Outcome
     kind: str
     detail: str = ""
+
+
+#: The verdict of most requests, shared (an hour's run holds ~50 000).
+EXACT: Final = Verdict("complete", "exact")
 
 
 def _logprob_entries(api: str, raw: Any) -> list[Any]:
@@ -223,7 +227,7 @@ def _compare(answer: Answer, reference: Answer) -> Verdict:
             return Verdict("violation", "logprobs_mismatch", f"choice {index}: entry {where} differs")
     if answer.usage_key() != reference.usage_key():
         return Verdict("violation", "usage_mismatch", f"usage {answer.usage_key()} vs {reference.usage_key()}")
-    return Verdict("complete", "exact")
+    return EXACT
 
 
 def judge(transcript: Transcript, reference: Answer) -> Verdict:
@@ -276,12 +280,30 @@ def judge(transcript: Transcript, reference: Answer) -> Verdict:
     return _compare(answer, reference)
 
 
+def frontend_lost(verdict: Verdict, transcript: Transcript, reference: Answer, stops: Sequence[float]) -> Verdict:
+    """A connection broken because a fault stopped its frontend while the request was in flight, as a clean error.
+
+    A client whose frontend dies mid-answer sees its connection break (httpx: an incomplete chunked read): it knows
+    the answer is incomplete, as with an HTTP error. Excused only when the break is the transport's
+    (``transport_error``), a stop of that frontend falls between the request's start and end (``stops``, the run's
+    clock), and what arrived before the break is a prefix of the reference; anything else stays a violation."""
+    if verdict.outcome != "violation" or transcript.transport_error is None:
+        return verdict
+    ended = transcript.ended if transcript.ended is not None else transcript.started
+    if not any(transcript.started <= stop <= ended for stop in stops):
+        return verdict
+    if transcript.template.stream:
+        problem = _prefix_problem(parse(transcript), reference)
+        if problem is not None:
+            return verdict
+    return Verdict("clean_error", "frontend_lost", f"{transcript.frontend} stopped: {transcript.transport_error}")
+
+
 # ------------------------------------------------------------------------------------------ counters and logs
 
 _END = re.compile(
-    r"^(\S+) .*? sidecar\.requests .*?: request (\S+) (finished|rejected|cancelled|failed) \((.*)\): "
-    r"(\d+) in / (\d+) out tokens",
-    re.M,
+    r"^\S+ +\S+ sidecar\.requests .*?: request (\S+) (finished|rejected|cancelled|failed) \((.*)\): "
+    r"(\d+) in / (\d+) out tokens"
 )
 #: A run SIGKILLed this soon after it logged a request's end may not have sent that answer out: the frontend then
 #: migrates it, and another run finishes it too.
@@ -305,45 +327,72 @@ class End:
     at: float = 0.0
 
 
-def log_ends(path: Path) -> list[End]:
-    """Every request-end line in a sidecar's log."""
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return []
-    return [End(m[2], m[3], m[4], int(m[5]), int(m[6]), _unix(m[1])) for m in _END.finditer(text)]
+def log_ends(path: Path, tally: Tally | None = None) -> list[End]:
+    """Every request-end line in a sidecar's log (lines the reader does not know are counted in ``tally``)."""
+    ends = []
+    for record in records(path, Tally() if tally is None else tally, "sidecar"):
+        m = _END.match(record.text)
+        if m is not None:
+            ends.append(End(m[1], m[2], m[3], int(m[4]), int(m[5]), record.at))
+    return ends
 
 
-def _unix(stamp: str) -> float:
-    """A sidecar log line's UTC timestamp (``2026-01-01T10:00:00.123Z``) as a Unix time (0 when it is not one)."""
-    try:
-        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return 0.0
-
-
-def migrated_usage(verdict: Verdict, answer: Answer, reference: Answer, attempts: list[End]) -> Verdict:
+def migrated_usage(verdict: Verdict, answer: Answer, reference: Answer, moved_by_frontend: int | None) -> Verdict:
     """A ``usage_mismatch`` that is exactly what Dynamo 1.6.1 reports after a migration, as a complete answer.
 
     The frontend migrates a stream by sending the prompt *plus the tokens generated so far* to the next worker, and
     then takes ``prompt_tokens`` from that worker's usage while it counts ``completion_tokens`` itself; the worker
     cannot tell the original prompt from the tokens appended to it. So the client's ``prompt_tokens`` counts the
-    ``d`` tokens generated before the migration. Proven from the sidecar's own end line of the attempt that finished:
-    it received ``prompt + d`` tokens and generated the other ``completion - d``.
+    ``d`` tokens generated before the migration.
+
+    Excused exactly when: the text, finish reason, logprobs and ``completion_tokens`` equal the reference (the
+    checker compared them before); ``total_tokens = prompt_tokens + completion_tokens``; one choice (``n > 1`` is
+    never migrated); and the surplus ``d = prompt_tokens - reference`` is what the frontend itself says it appended:
+    ``moved_by_frontend``, the ``migration.tokens_completed`` of its last migration retry of this request
+    (:func:`frontend_migrations`), with ``0 < d <= completion_tokens``. Anything else stays a violation.
+
+    The frontend's own record, not the sidecar's end line of the last attempt: that line need not show ``d``. The
+    frontend applies stop strings and EOS itself and ends the stream there, so the last attempt may log more output
+    tokens than the client counts, or end ``cancelled``; and a worker SIGKILLed after its last chunk logs no end.
     """
     got, ref = answer.usage_key(), reference.usage_key()
     if verdict.kind != "usage_mismatch" or got is None or ref is None or len(answer.choices) != 1:
         return verdict
     prompt, completion, total = got
-    finished = [a for a in attempts if a.outcome == "finished"]
-    if completion != ref[1] or total != prompt + completion or len(finished) != 1:
-        return verdict
     moved = prompt - ref[0]
-    last = finished[0]
-    if 0 < moved <= completion and last.tokens_in == prompt and last.tokens_out == completion - moved:
-        detail = f"prompt_tokens {prompt} = {ref[0]} + {moved} generated before the migration (Dynamo 1.6.1)"
-        return Verdict("complete", "migrated_prompt_tokens", detail)
-    return verdict
+    if completion != ref[1] or total != prompt + completion or not 0 < moved <= completion:
+        return verdict
+    if moved_by_frontend != moved:
+        return verdict
+    detail = f"prompt_tokens {prompt} = {ref[0]} + {moved} generated before the migration (Dynamo 1.6.1)"
+    return Verdict("complete", "migrated_prompt_tokens", detail)
+
+
+#: Dynamo 1.6.1's frontend, at INFO, when it migrates a request (``migration.tokens_completed``: the tokens it
+#: appends to the prompt), and the request ids of a line: its own span's and the worker-side id, both on a route line.
+_MIGRATION = re.compile(r"migration retry scheduled .*?\bmigration\.tokens_completed=(\d+)")
+_REQUEST_IDS = re.compile(r"\brequest_id=([0-9A-Za-z-]+)")
+
+
+def frontend_migrations(paths: Sequence[Path], wanted: set[str], tally: Tally) -> dict[str, int]:
+    """For each wanted worker-side request id, the ``migration.tokens_completed`` of the last migration retry a
+    frontend scheduled for it (its log names the retry by its own span id, which a route line pairs with the
+    worker-side id)."""
+    moved: dict[str, int] = {}
+    for path in paths:
+        alias: dict[str, str] = {}  # the frontend's span id -> the worker-side id
+        for record in records(path, tally, "frontend"):
+            ids = _REQUEST_IDS.findall(record.text)
+            if not ids:
+                continue
+            known = next((alias.get(i, i) for i in ids if alias.get(i, i) in wanted), None)
+            if known is None:
+                continue
+            alias.update(dict.fromkeys(ids, known))
+            match = _MIGRATION.search(record.text)
+            if match is not None:
+                moved[known] = max(moved.get(known, 0), int(match.group(1)))
+    return moved
 
 
 def metric_counts(page: str) -> tuple[int, dict[str, int]] | None:
@@ -437,7 +486,8 @@ def reconcile(
                 if len(where) > 1 or not (where or maybe):
                     problems.append(f"request #{transcript.number} ({rid}): complete, finished by {where or 'none'}")
                 seen.add(rid)
-        elif verdict.outcome == "cancelled":
+        elif verdict.outcome == "cancelled" or verdict.kind == "frontend_lost":
+            # The client left, or its frontend died: the worker may have finished what nobody received.
             seen |= ids
             explained["client_left"] += sum(1 for rid in ids if rid in finished_where)
         elif verdict.outcome == "clean_error":

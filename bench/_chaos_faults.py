@@ -10,9 +10,16 @@ stop with its grace (GOAWAY) then restart; an error window in which a share of t
 non-retryable ``EngineError`` directive; a discovery entry deleted, or the whole discovery tree (file discovery;
 the frontends are then restarted one at a time, which Dynamo 1.6.1 needs to watch the tree again); a sidecar
 SIGTERM (drain) then restart; a sidecar SIGKILL then restart; delay, loss and a blackholed connection on the
-sidecar ↔ engine path; with etcd, etcd and NATS paused for less than the 30 s lease. KV event stream gaps and
-drops are armed at each engine start (``--kv-fault gap@N`` / ``drop@N``, batch numbers from the seed) and counted
-when the sidecar reports them (its "resynchronising" line).
+sidecar ↔ engine path; a frontend crashed (SIGKILL) or stopped after its load balancer drained it (SIGTERM), then
+restarted; with etcd, etcd and NATS paused for less than the 30 s lease, and — where the hosts are network
+namespaces — a worker's host partitioned from the control plane's, or an engine's from its sidecar's path (routes
+through a dead next hop: packets vanish, nothing is reset). KV event stream gaps and drops are armed at each engine
+start (``--kv-fault gap@N`` / ``drop@N``, batch numbers from the seed) and counted when the sidecar reports them
+(its "resynchronising" line).
+
+**Witnesses.** The schedule never restarts one sidecar (``w3``), one engine (``w2``) and one frontend (``fe2``);
+every other fault still reaches them (their engine killed, paused, partitioned; errors; deleted entries). Each is a
+life as long as the run: the process whose resources decide whether anything grows (``bench._chaos_resources``).
 
 **Recovery** of a fault is the time from the moment it is lifted (engine restarted, SIGCONT sent, window closed,
 entry deleted, link cleared) until the topology is whole again: every worker's ``/health`` is 200 (``serving``)
@@ -29,15 +36,15 @@ import shutil
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
-from pathlib import Path
 from typing import Final
 
 import httpx
 import trio
 
+from bench._chaos_logs import Tally, records
 from bench._chaos_topology import (
     AGG_WORKERS,
+    FRONTENDS,
     LORA,
     PD_MODEL,
     PD_WORKERS,
@@ -48,6 +55,7 @@ from bench._chaos_topology import (
     worker_instance,
     worker_state,
 )
+from tests.cluster.network import cut, mend
 from tests.helpers.stack import MODEL
 
 #: How a process that exited without a fault asking it to is reported (a violation: it did not survive).
@@ -77,13 +85,24 @@ FAULT_KINDS: Final[dict[str, tuple[int, int]]] = {
     "net_blackhole": (2, 2),
     "etcd_pause": (0, 2),
     "nats_pause": (0, 2),
+    "frontend_restart": (1, 1),
+    "partition_cp": (0, 2),
+    "partition_engine": (0, 2),
 }
+#: After a host's control plane (etcd) was out of reach, this long of reach before the next outage: Dynamo's lease
+#: keep-alive retries back off to ~10 s, so outages in quick succession add up on the 30 s lease's clock and the
+#: runtime gives the lease up (docs/distributed.md, "Repeated short outages are not short"). Seen: a worker cut from
+#: etcd four times in 40 s (two partitions, two etcd pauses, none longer than 7 s) lost its lease and exited.
+CP_REST_S: Final = 30.0
+#: What the schedule never restarts (see the module docstring).
+WITNESSES: Final = {"sidecar": "w3", "engine": "w2", "frontend": "fe2"}
+#: Kinds that restart their target process.
+_RESTARTING: Final = {"engine_kill": "engine", "engine_goaway": "engine", "sidecar_term": "sidecar",
+                      "sidecar_kill": "sidecar"}  # fmt: skip
 #: Faults observed rather than scheduled (armed at engine start).
 OBSERVED_KINDS: Final = ("kv_gap", "kv_drop")
-_KV_RESYNC: Final = re.compile(r"^(\S+) .*KV events rank \d+: resynchronising \(", re.M)
-_KV_INJECTED: Final = re.compile(
-    r"^(\S+ \S+) openengine-mock WARNING KV events: injecting '(\w+)' at batch #(\d+)", re.M
-)
+_KV_RESYNC: Final = re.compile(r"^\S+ .*KV events rank \d+: resynchronising \(")
+_KV_INJECTED: Final = re.compile(r"^\S+ \S+ openengine-mock WARNING KV events: injecting '(\w+)' at batch #(\d+)")
 
 
 @dataclass(frozen=True)
@@ -133,9 +152,14 @@ def plan(seed: int, load_s: float, control_plane: str) -> list[PlannedFault]:
 
 def _target(rng: random.Random, kind: str) -> str:
     if kind.startswith(("engine_", "sidecar_")):
-        return rng.choice(AGG_WORKERS) if rng.random() < 0.8 else rng.choice(PD_WORKERS)
-    if kind.startswith("net_"):
+        spared = WITNESSES[_RESTARTING[kind]] if kind in _RESTARTING else None
+        return rng.choice([w for w in AGG_WORKERS if w != spared]) if rng.random() < 0.8 else rng.choice(PD_WORKERS)
+    if kind.startswith(("net_", "partition_engine")):
         return rng.choice(AGG_WORKERS)
+    if kind == "partition_cp":
+        return rng.choice(AGG_WORKERS) if rng.random() < 0.8 else "pd-decode"  # the pair's host: both its workers
+    if kind == "frontend_restart":
+        return next(f for f in FRONTENDS if f != WITNESSES["frontend"])
     if kind.startswith("error_"):
         return "load"
     if kind.startswith("discovery"):
@@ -158,6 +182,10 @@ def _duration(rng: random.Random, kind: str) -> float:
         "net_blackhole": rng.uniform(1.0, 8.0),
         "etcd_pause": rng.uniform(2.0, 10.0),
         "nats_pause": rng.uniform(2.0, 10.0),
+        "frontend_restart": rng.uniform(0.5, 3.0),
+        # Well inside the lease: Dynamo's keep-alive retries back off to ~10 s, so a longer cut can lose it.
+        "partition_cp": rng.uniform(2.0, 10.0),
+        "partition_engine": rng.uniform(1.0, 8.0),
     }.get(kind, 0.0)
 
 
@@ -190,6 +218,12 @@ class ChaosState:
     #: Processes that exited without a fault asking them to, and other surprises.
     anomalies: list[str] = field(default_factory=list)
     disrupted: set[str] = field(default_factory=set)
+    #: When each frontend was stopped by a fault (the run's clock): streams it carried then broke with it.
+    frontend_stops: dict[str, list[float]] = field(default_factory=dict)
+    #: Why partitions cannot run here (None: they can).
+    partition_unavailable: str | None = None
+    #: Host ("*": every host) -> until when its control plane must stay reachable (``CP_REST_S``).
+    cp_rest_until: dict[str, float] = field(default_factory=dict)
 
     def record(self, planned: PlannedFault) -> FaultRecord:
         rec = FaultRecord(planned)
@@ -208,8 +242,15 @@ async def run_plan(state: ChaosState, faults: list[PlannedFault], seed: int) -> 
             await trio.sleep(max(0.0, planned.at - state.clock()))
             rec = state.record(planned)
             lock = _lock_of(planned)
+            if planned.kind.startswith("partition_") and state.partition_unavailable is not None:
+                rec.skipped = state.partition_unavailable
+                continue
             if lock & state.busy:
                 rec.skipped = f"target busy ({', '.join(sorted(lock & state.busy))})"
+                continue
+            resting = _cp_resting(state, planned)
+            if resting is not None:
+                rec.skipped = resting
                 continue
             worker = planned.target if planned.target in state.topo.workers else None
             others = {w for w in state.disrupted if w in AGG_WORKERS}
@@ -227,10 +268,12 @@ def _lock_of(planned: PlannedFault) -> set[str]:
         return {f"{target}-engine"}
     if kind.startswith("sidecar_"):
         return {target}
-    if kind.startswith("net_"):
+    if kind.startswith(("net_", "partition_engine")):
         return {f"{target}-link"}
+    if kind == "partition_cp":
+        return {f"{_host_of(target)}-cp"}
     if kind == "discovery_tree":
-        return {"discovery", "fe1", "fe2"}
+        return {"discovery", *FRONTENDS}
     if kind.startswith("discovery"):
         return {"discovery"}
     if kind.startswith("error_"):
@@ -238,8 +281,38 @@ def _lock_of(planned: PlannedFault) -> set[str]:
     return {target}
 
 
+def _cp_hosts(planned: PlannedFault) -> set[str]:
+    """The hosts whose etcd lease a fault puts at risk ("*": all of them)."""
+    if planned.kind == "etcd_pause":
+        return {"*"}
+    if planned.kind == "partition_cp":
+        return {_host_of(planned.target)}
+    return set()
+
+
+def _cp_resting(state: ChaosState, planned: PlannedFault) -> str | None:
+    """Why a control-plane outage must wait (another one is on, or one ended less than ``CP_REST_S`` ago)."""
+    hosts = _cp_hosts(planned)
+    if not hosts:
+        return None
+    now = state.clock()
+    for key in state.busy:
+        if ("*" in hosts and key.endswith("-cp")) or key == "etcd":
+            return f"another control-plane outage is on ({key})"
+    relevant = state.cp_rest_until if "*" in hosts else {h: state.cp_rest_until.get(h, 0.0) for h in {*hosts, "*"}}
+    waiting = {h: until for h, until in relevant.items() if until > now}
+    if waiting:
+        return f"control plane of {', '.join(sorted(waiting))} out of reach less than {CP_REST_S:.0f} s ago"
+    return None
+
+
+def _host_of(worker: str) -> str:
+    """The host a worker runs on (the pair shares one)."""
+    return "pd" if worker in PD_WORKERS else worker
+
+
 def _disrupting(kind: str) -> bool:
-    return kind.startswith(("engine_", "sidecar_", "net_"))
+    return kind.startswith(("engine_", "sidecar_", "net_", "partition_"))
 
 
 async def _inject(state: ChaosState, rec: FaultRecord, lock: set[str], rng: random.Random) -> None:
@@ -255,6 +328,8 @@ async def _inject(state: ChaosState, rec: FaultRecord, lock: set[str], rng: rand
     finally:
         if rec.lifted is None:
             rec.lifted = state.clock()
+        for host in _cp_hosts(planned):
+            state.cp_rest_until[host] = state.clock() + CP_REST_S
         state.busy -= lock
         state.disrupted.discard(target)
 
@@ -412,6 +487,50 @@ async def _cp_pause(state: ChaosState, rec: FaultRecord, rng: random.Random) -> 
     rec.lifted = state.clock()
 
 
+async def _frontend_restart(state: ChaosState, rec: FaultRecord, rng: random.Random) -> None:
+    """A crash (SIGKILL: the clients still sending to it get connection errors until it is back) or a planned stop
+    (its load balancer drains it first: no new requests, the ones in flight finish, bounded; then SIGTERM); then it
+    is started again on the same port and must list every worker again."""
+    name = rec.planned.target
+    frontend = state.topo.frontends[name]
+    crash = rng.random() < 0.5
+    rec.injected = state.clock()
+    if not crash:
+        state.draining.add(name)
+    try:
+        if not crash:
+            with trio.move_on_after(30):
+                while state.inflight.get(name, 0):  # noqa: ASYNC110 (a counter the clients bump, polled)
+                    await trio.sleep(0.1)
+        state.frontend_stops.setdefault(name, []).append(state.clock())
+        await frontend.managed.stop(signal.SIGKILL if crash else signal.SIGTERM, grace=0 if crash else 10)
+        rec.note = "crashed (SIGKILL)" if crash else f"drained, then SIGTERM ({state.inflight.get(name, 0)} in flight)"
+        await trio.sleep(rec.planned.duration)
+        await _restart(frontend.managed)
+    finally:
+        state.draining.discard(name)
+    rec.lifted = state.clock()
+
+
+async def _partition(state: ChaosState, rec: FaultRecord, rng: random.Random) -> None:
+    """Cut a worker's host from the control plane's (etcd and NATS), or an engine's host from its sidecar's path
+    (the sidecar's host with netem; the proxy's leg in the root namespace otherwise), for the planned time."""
+    topo = state.topo
+    worker = topo.workers[rec.planned.target]
+    if rec.planned.kind == "partition_cp":
+        ends = (worker.host.name, "cp")
+    else:
+        ends = (worker.engine.host.name, worker.host.name if topo.network_mode == "netem" else "client")
+    rec.injected = state.clock()
+    try:
+        cut(topo.network, *ends)
+        rec.note = f"{ends[0]} ⇹ {ends[1]}"
+        await trio.sleep(rec.planned.duration)
+    finally:
+        mend(topo.network, *ends)
+    rec.lifted = state.clock()
+
+
 async def _etcd_delete_instance(state: ChaosState, rng: random.Random) -> str:
     """Delete one worker's ``generate`` instance key in etcd (the entry its watchdog checks and restores)."""
     cluster = state.topo.cluster
@@ -450,6 +569,9 @@ _FAULTS: Final = {
     "net_blackhole": _net,
     "etcd_pause": _cp_pause,
     "nats_pause": _cp_pause,
+    "frontend_restart": _frontend_restart,
+    "partition_cp": _partition,
+    "partition_engine": _partition,
 }
 
 
@@ -527,46 +649,34 @@ def _processes(topo: Topology) -> list[tuple[str, Managed]]:
     return out
 
 
-def observed_kv_faults(topo: Topology, clock_of: Callable[[float], float]) -> list[FaultRecord]:
+def observed_kv_faults(topo: Topology, clock_of: Callable[[float], float], tally: Tally) -> list[FaultRecord]:
     """The KV event faults the engines injected (their "injecting" line), as fault records; recovered when the
     sidecar resynchronised the rank (its "resynchronising" line: the router's view cleared and rebuilt from a fresh
-    subscription). ``clock_of`` turns a Unix time into the run's clock."""
-    records: list[FaultRecord] = []
+    subscription). ``clock_of`` turns a Unix time into the run's clock; lines the reader does not know are counted
+    in ``tally``."""
+    result: list[FaultRecord] = []
     for name in (*AGG_WORKERS, *PD_WORKERS):
         worker = topo.workers[name]
         resyncs = sorted(
-            _unix(match.group(1))
+            record.at
             for life in worker.sidecar.lives
-            for match in _KV_RESYNC.finditer(_read(life.process.log_path))
+            for record in records(life.process.log_path, tally, "sidecar")
+            if _KV_RESYNC.match(record.text)
         )
         for life in worker.engine.managed.lives:
-            for match in _KV_INJECTED.finditer(_read(life.process.log_path)):
-                at = _local_unix(match.group(1))
-                kind = "kv_gap" if match.group(2) == "gap" else "kv_drop"
+            for record in records(life.process.log_path, tally, "engine"):
+                match = _KV_INJECTED.match(record.text)
+                if match is None:
+                    continue
+                at = record.at
+                kind = "kv_gap" if match.group(1) == "gap" else "kv_drop"
                 planned = PlannedFault(clock_of(at), kind, name, 0.0, -1)
-                rec = FaultRecord(planned, injected=clock_of(at), lifted=clock_of(at), note=f"batch #{match.group(3)}")
+                rec = FaultRecord(planned, injected=clock_of(at), lifted=clock_of(at), note=f"batch #{match.group(2)}")
                 after = next((t for t in resyncs if t >= at - 0.05), None)
                 if after is not None and after - at < 30:
                     rec.recovered = clock_of(after)
-                records.append(rec)
-    return records
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except FileNotFoundError:
-        return ""
-
-
-def _unix(stamp: str) -> float:
-    """A sidecar log line's UTC timestamp (``2026-01-01T10:00:00.123Z``) as a Unix time."""
-    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-
-
-def _local_unix(stamp: str) -> float:
-    """The mock's log time (``2026-01-01 10:00:00,123``, Python logging's local ``asctime``) as a Unix time."""
-    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                result.append(rec)
+    return result
 
 
 __all__ = [

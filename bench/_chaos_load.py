@@ -164,7 +164,7 @@ def _template(rng: random.Random, name: str, spec: dict[str, Any]) -> Template:
 # ---------------------------------------------------------------------------------------------------- transcripts
 
 
-@dataclass
+@dataclass(slots=True)
 class Transcript:
     """Everything one request saw, with times relative to the run's start (seconds)."""
 

@@ -14,6 +14,8 @@ from typing import Any, Final
 from bench._chaos_check import Answer, Reconciliation, Verdict
 from bench._chaos_faults import EXITED, FAULT_KINDS, OBSERVED_KINDS, FaultRecord
 from bench._chaos_load import Transcript
+from bench._chaos_logs import Tally
+from bench._chaos_resources import Resources
 
 
 def markers(control_plane: str) -> tuple[str, str]:
@@ -25,6 +27,9 @@ def markers(control_plane: str) -> tuple[str, str]:
     )
 
 
+#: Sidecar runs listed one by one up to this many; beyond, one row per worker.
+_RUN_ROWS: Final = 20
+_ENDS: Final = ("finished", "cancelled", "failed", "rejected")
 #: A clean error is attributed to every fault active within this many seconds before it ended.
 _ATTRIBUTION_S: Final = 1.0
 
@@ -44,6 +49,9 @@ class Report:
     lora_reloads: int
     elapsed_s: float
     extra: dict[str, Any] = field(default_factory=dict)
+    resources: Resources | None = None
+    #: Log lines the report's reader did not know (no timestamp), by the kind of process.
+    unknown_lines: Tally = field(default_factory=Tally)
 
     # -- figures --------------------------------------------------------------------------------------------------
 
@@ -70,7 +78,18 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return not self.violation_kinds()
+        return not self.violation_kinds() and (self.resources is None or self.resources.flat)
+
+    def verdict_lines(self) -> list[str]:
+        """The run's two verdicts, last in the report: violations, and resources."""
+        kinds = self.violation_kinds()
+        total = sum(kinds.values())
+        line = (
+            "violations: none"
+            if not kinds
+            else f"violations: {total} — " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+        )
+        return [line, self.resources.verdict() if self.resources is not None else "resources: not sampled"]
 
     def executed(self) -> list[FaultRecord]:
         return [r for r in self.faults if r.skipped is None]
@@ -152,18 +171,7 @@ class Report:
         ]
         lines += ["violations by kind: " + (", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) or "none")]
         rec = self.reconciliation
-        lines += [
-            "",
-            "| sidecar run | ended | received | finished | cancelled | failed | rejected |",
-            "|---|---|---:|---:|---:|---:|---:|",
-        ]
-        for life in rec.lives:
-            if life.metrics is not None:
-                received, ended = life.metrics
-                cells = [str(received), *(str(ended[o]) for o in ("finished", "cancelled", "failed", "rejected"))]
-            else:
-                cells = ["—", *(f"{life.log.get(o, 0)} (log)" for o in ("finished", "cancelled", "failed", "rejected"))]
-            lines.append(f"| {life.worker} #{life.life} | {life.end} | " + " | ".join(cells) + " |")
+        lines += ["", *(self._runs_by_worker() if len(rec.lives) > _RUN_ROWS else self._runs())]
         lines += [
             "",
             f"complete answers seen by clients: {dict(rec.complete)}; finished on the sidecars: {dict(rec.finished)} "
@@ -177,7 +185,50 @@ class Report:
             lines.append(f"LoRA adapter loaded again by the operator (this program) {self.lora_reloads} time(s)")
         for anomaly in self.anomalies:
             lines.append(f"anomaly: {anomaly}")
+        tally = self.unknown_lines
+        lines += [
+            "",
+            "log lines the report's reader did not know (no timestamp; counted, not read): "
+            + (", ".join(f"{kind} {n}" for kind, n in sorted(tally.unknown.items())) or "none")
+            + (f"; e.g. {tally.examples[0]!r}" if tally.examples else ""),
+        ]
+        if self.resources is not None:
+            lines += ["", *self.resources.table()]
+        lines += ["", *self.verdict_lines()]
         return "\n".join(lines)
+
+    def _runs(self) -> list[str]:
+        lines = [
+            "| sidecar run | ended | received | finished | cancelled | failed | rejected |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for life in self.reconciliation.lives:
+            if life.metrics is not None:
+                received, ended = life.metrics
+                cells = [str(received), *(str(ended[o]) for o in _ENDS)]
+            else:
+                cells = ["—", *(f"{life.log.get(o, 0)} (log)" for o in _ENDS)]
+            lines.append(f"| {life.worker} #{life.life} | {life.end} | " + " | ".join(cells) + " |")
+        return lines
+
+    def _runs_by_worker(self) -> list[str]:
+        """One row per worker (a long run has a row per sidecar run otherwise): how its runs ended, and the ends of
+        all of them (the running one's from its metrics, the others' from their log)."""
+        lines = [
+            "| sidecar | runs (how they ended) | finished | cancelled | failed | rejected |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        by_worker: dict[str, list[Any]] = defaultdict(list)
+        for life in self.reconciliation.lives:
+            by_worker[life.worker].append(life)
+        for worker, lives in by_worker.items():
+            ended = Counter(life.end for life in lives)
+            totals: Counter[str] = Counter()
+            for life in lives:
+                totals.update(life.metrics[1] if life.metrics is not None else {o: life.log.get(o, 0) for o in _ENDS})
+            how = ", ".join(f"{n} {end}" for end, n in sorted(ended.items()))
+            lines.append(f"| {worker} | {len(lives)} ({how}) | " + " | ".join(str(totals[o]) for o in _ENDS) + " |")
+        return lines
 
     def transcript_text(self, transcript: Transcript, verdict: Verdict, reference: Answer | None) -> str:
         active = self.active_at(transcript.started, transcript.ended or transcript.started)
@@ -231,6 +282,9 @@ class Report:
             "postconditions": [{"name": n, "ok": ok, "detail": d} for n, ok, d in self.postconditions],
             "reconcile_problems": self.reconciliation.problems,
             "anomalies": self.anomalies,
+            "unknown_log_lines": {"by_kind": self.unknown_lines.unknown, "examples": self.unknown_lines.examples},
+            "resources": self.resources.to_json() if self.resources is not None else None,
+            "verdicts": self.verdict_lines(),
             **self.extra,
         }
 

@@ -333,7 +333,8 @@ class Topology:
             engine_port,
         )
         engine_holder.append(engine)
-        host = self.host(name)
+        # A direct link (the pair) puts the sidecar on its engine's host; the others have a host of their own.
+        host = engine_host if link == "direct" else self.host(name)
         system_port = free_low_port()
         worker_link: Link | None = None
         endpoint = engine.address

@@ -3,6 +3,7 @@
     python -m bench.chaos --minutes 3 --seed 1                        # file discovery, loopback
     python -m bench.chaos --minutes 2 --seed 1 --control-plane etcd   # etcd + NATS (namespaces when root)
     python -m bench.chaos --minutes 3 --seed 1 --write-docs           # also update docs/faults.md
+    python -m bench.chaos --minutes 60 --control-plane etcd --write-docs   # the hour (the etcd figures of the docs)
 
 Topology (``bench._chaos_topology``): 2 Dynamo frontends (``--migration-limit 3``, KV router) × 3 aggregated
 workers, each an ``openengine-sidecar`` driving its own ``openengine-mock --profile full`` (KV events, LoRA), plus a
@@ -13,10 +14,13 @@ and the absolute position, so a migrated request must continue exactly where its
 Load (``bench._chaos_load``): a bounded closed loop of clients through both frontends. Faults
 (``bench._chaos_faults``): a seeded schedule, several overlapping. Checker (``bench._chaos_check``): every response
 complete and exactly equal to its reference, or a clean error with no ``finish_reason``; never a truncated 200.
-Afterwards every engine holds no request and no KV session, every worker serves, and the sidecars' counters
-reconcile with what the clients saw. The report (``bench._chaos_report``) is printed; ``--report PATH`` writes it
-as JSON, ``--write-docs`` into ``docs/faults.md``. A violation prints the seed and the request's full transcript.
-Exit status 0 only with no violation and every post-condition met; 2 for bad flags.
+Afterwards every engine holds no request and no KV session, every worker serves, on etcd each live worker holds
+one set of discovery entries and no dead instance any, and the sidecars' counters reconcile with what the clients
+saw. Resources (``bench._chaos_resources``): every long-lived process sampled through the run, slopes within lives,
+a verdict. The report (``bench._chaos_report``) is printed and ends with two verdict lines, ``violations: …`` and
+``resources: …``; ``--report PATH`` writes it as JSON, ``--write-docs`` into ``docs/faults.md``. A violation prints
+the seed and the request's full transcript. Exit status 0 only with no violation, every post-condition met and
+resources flat; 2 for bad flags.
 
 Bounded: every loop by count and time, every request by ``REQUEST_TIMEOUT_S``, every process stopped at the end
 (also on Ctrl-C or an error), nothing outside loopback or the project's network namespaces.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import signal
@@ -33,9 +38,9 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -47,6 +52,8 @@ from bench._chaos_check import (
     End,
     LifeCounts,
     Verdict,
+    frontend_lost,
+    frontend_migrations,
     judge,
     log_ends,
     metric_counts,
@@ -56,6 +63,7 @@ from bench._chaos_check import (
     reference_problems,
     request_ids,
 )
+from bench._chaos_discovery import LEASE_S, MARGIN_S, etcd_entries, sets, settled
 from bench._chaos_faults import (
     ChaosState,
     kv_faults,
@@ -66,12 +74,23 @@ from bench._chaos_faults import (
     whole,
 )
 from bench._chaos_load import Behaviour, Template, Transcript, catalogue, send
+from bench._chaos_logs import Tally
 from bench._chaos_net import netem_unavailable
 from bench._chaos_report import Report, write_docs
-from bench._chaos_topology import AGG_WORKERS, LORA, PD_MODEL, Topology, build, make_adapter
-from tests.cluster.network import Host, Network, netns_unavailable, open_network
+from bench._chaos_resources import HARNESS, Resources, Watched, sample, schedule
+from bench._chaos_topology import (
+    AGG_WORKERS,
+    LORA,
+    PD_MODEL,
+    Managed,
+    Topology,
+    build,
+    make_adapter,
+    worker_instance,
+)
+from tests.cluster.network import Host, Network, netns_unavailable, open_network, partition_unavailable
 from tests.cluster.topology import Cluster, missing_binaries
-from tests.helpers.processes import DynamoEnv, base_env, free_low_port, start_frontend
+from tests.helpers.processes import DynamoEnv, Process, base_env, free_low_port, start_frontend
 from tests.helpers.stack import MODEL, engine_load, mock_stats, start_engine, start_sidecar
 
 ROOT: Final = Path(__file__).resolve().parent.parent
@@ -233,6 +252,11 @@ async def _wait_serves(http: httpx.AsyncClient, url: str, models: list[str], own
 # ---------------------------------------------------------------------------------------------------- the run
 
 
+#: What a judged request keeps of its lines and request (shared, never written to).
+_NO_LINES: Final[list[tuple[float, str]]] = []
+_NO_REQUEST: Final[dict[str, Any]] = {}
+
+
 @dataclass
 class Load:
     """The templates with their references, and every request judged as it ended. Only a violation keeps its whole
@@ -242,13 +266,21 @@ class Load:
     templates: list[Template]
     references: dict[str, Answer]
     results: list[tuple[Transcript, Verdict, Answer | None]]
+    #: When faults stopped each frontend (shared with the injector): a stream broken by it is a clean error.
+    frontend_stops: dict[str, list[float]] = field(default_factory=dict)
 
     def record(self, transcript: Transcript) -> None:
-        verdict = judge(transcript, self.references[transcript.template.name])
+        reference = self.references[transcript.template.name]
+        verdict = judge(transcript, reference)
+        verdict = frontend_lost(verdict, transcript, reference, self.frontend_stops.get(transcript.frontend, ()))
         seen = parse(transcript) if transcript.status == 200 else None
         if verdict.outcome != "violation":
-            transcript.lines.clear()
-            seen = None if seen is None else Answer(usage=seen.usage, ids=seen.ids)
+            # The template rebuilds the request and the lines were judged: an hour's run keeps the ids (for the
+            # reconciliation) and the times (for the fault attribution) of its ~50 000 requests, ~1 KB each.
+            transcript.lines = _NO_LINES
+            transcript.request = _NO_REQUEST
+            transcript.behaviour_detail = ""
+            seen = None if seen is None else Answer(ids=seen.ids)
         self.results.append((transcript, verdict, seen))
 
 
@@ -384,85 +416,59 @@ async def _run(
         # Unwinding runs these last-first: the sidecars and engines stop (drain) while the proxies still carry their
         # traffic, then the control plane, then the background tasks (proxies) are cancelled.
         stack.callback(nursery.cancel_scope.cancel)
-        if args.control_plane == "etcd":
-            cluster = Cluster(
-                network, root, topo.env, etcd_port=free_low_port(), nats_port=free_low_port(), stack=stack
-            )
-            topo.cluster = cluster
-            stack.push_async_callback(_stop_control_plane, cluster)
-            await cluster.start_etcd()
-            await cluster.start_nats()
-            for frontend in topo.frontends.values():
-                frontend.managed.env = topo.host_env(frontend.host)
-            for worker in topo.workers.values():
-                worker.sidecar.env = topo.host_env(worker.host, DYN_SYSTEM_PORT=str(worker.system_port))
-        stack.push_async_callback(topo.stop_all)
-        for proxy in topo.proxies:
-            await nursery.start(proxy.run)
-        refs: dict[str, Answer] = {}
-
-        async def reference_task() -> None:
-            refs.update(await references(templates, root))
-
-        with trio.fail_after(STARTUP_TIMEOUT_S):
-            async with trio.open_nursery() as startup:
-                startup.start_soon(reference_task)
-                startup.start_soon(topo.start_all)
-            async with httpx.AsyncClient(timeout=30) as http:
-                for name in AGG_WORKERS:
-                    answer = await topo.load_lora(topo.workers[name])
-                    if answer.get("status") != "ok":
-                        raise RuntimeError(f"loading {LORA} on {name}: {answer}")
-                for frontend in topo.frontends.values():
-                    await _wait_serves(http, frontend.url, [MODEL, LORA, PD_MODEL], own_ids)
+        refs = await _start(args, root, topo, stack, nursery, templates, own_ids)
+        expected_sets = await _discovery_sets(topo)
         print(f"bench.chaos: topology up and references ready after {time.monotonic() - started:.0f} s")
 
         t0 = trio.current_time()
-        wall0 = time.time()
+        wall0, mono0 = time.time(), time.monotonic()
         state = ChaosState(topo, lambda: trio.current_time() - t0)
-        load = Load(templates, refs, [])
+        state.partition_unavailable = partition_unavailable(network)
+        interval_s, warmup_s = schedule(load_s)
+        resources = Resources(watched(topo, mono0), interval_s, warmup_s)
+        load = Load(templates, refs, [], state.frontend_stops)
         counter = [0]
         monitor_scope = trio.CancelScope()
+        sampler_scope = trio.CancelScope()
 
         async def run_monitor(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
             with monitor_scope:
                 await monitor(state, task_status=task_status)
 
-        await nursery.start(run_monitor)
-        async with (
-            httpx.AsyncClient(limits=httpx.Limits(max_connections=64), timeout=30) as http,
-            trio.open_nursery() as run_nursery,
-        ):
-            run_nursery.start_soon(run_plan, state, faults, args.seed)
-            for number in range(CLIENTS):
-                run_nursery.start_soon(client_loop, state, load, number, args.seed, load_s, http, counter)
-        print(f"bench.chaos: load done ({len(load.results)} requests) at {state.clock():.0f} s; healing")
-
-        postconditions: list[tuple[str, bool, str]] = []
-        healed = False
-        states: dict[str, str] = {}
-        async with httpx.AsyncClient(timeout=10) as http:
-            with trio.move_on_after(HEAL_TIMEOUT_S):
+        async def run_sampler(http: httpx.AsyncClient) -> None:
+            with sampler_scope:
                 while True:
-                    healed, states = await whole(state, http)
-                    if healed:
-                        break
-                    await trio.sleep(0.5)
-        postconditions.append(("every worker serving and listed by both frontends", healed, str(states)))
-        postconditions += await engines_quiet(topo, QUIESCE_TIMEOUT_S)
-        monitor_scope.cancel()  # nothing restarts from here on
-        lives = await _final_counts(topo)
+                    await sample(resources.processes, state.clock(), "load", http)
+                    await trio.sleep(interval_s)
+
+        await nursery.start(run_monitor)
+        async with httpx.AsyncClient(timeout=5) as probe:
+            await sample(resources.processes, state.clock(), "idle-start", probe)
+            nursery.start_soon(run_sampler, probe)
+            async with (
+                httpx.AsyncClient(limits=httpx.Limits(max_connections=64), timeout=30) as http,
+                trio.open_nursery() as run_nursery,
+            ):
+                run_nursery.start_soon(run_plan, state, faults, args.seed)
+                for number in range(CLIENTS):
+                    run_nursery.start_soon(client_loop, state, load, number, args.seed, load_s, http, counter)
+            sampler_scope.cancel()
+            print(f"bench.chaos: load done ({len(load.results)} requests) at {state.clock():.0f} s; healing")
+
+            postconditions = await _heal(state)
+            monitor_scope.cancel()  # nothing restarts from here on
+            if topo.cluster is not None:
+                postconditions.append(await _discovery_settled(topo, expected_sets))
+            await sample(resources.processes, state.clock(), "idle-end", probe)
+        resources.analyse()
+        tally = Tally()
+        lives = await _final_counts(topo, tally)
         attempts: dict[str, list[End]] = {}
         for life_counts in lives:
             if life_counts.worker != "pd-prefill":
                 for end in life_counts.ends:
                     attempts.setdefault(end.request_id, []).append(end)
-        verdicts: list[tuple[Transcript, Verdict, Answer | None]] = []
-        for transcript, verdict, seen in sorted(load.results, key=lambda r: r[0].number):
-            if seen is not None and verdict.kind == "usage_mismatch":
-                tried = [a for rid in request_ids(seen) for a in attempts.get(rid, [])]
-                verdict = migrated_usage(verdict, seen, refs[transcript.template.name], tried)
-            verdicts.append((transcript, verdict, seen))
+        verdicts = _excuse_migrations(topo, load, attempts, tally)
         reconciliation = reconcile(lives, verdicts, own_ids)
         migrated = sum(
             1
@@ -474,7 +480,7 @@ async def _run(
                 and sum(len(attempts.get(rid, [])) for rid in request_ids(seen)) > 1
             )
         )
-        kv_records = observed_kv_faults(topo, lambda unix: unix - wall0)
+        kv_records = observed_kv_faults(topo, lambda unix: unix - wall0, tally)
         report = Report(
             seed=args.seed,
             minutes=args.minutes,
@@ -489,20 +495,166 @@ async def _run(
             lora_reloads=topo.lora_reloads,
             elapsed_s=time.monotonic() - started,
             extra={"complete_after_migration": migrated},
+            resources=resources,
+            unknown_lines=tally,
         )
         for transcript, verdict, _ in report.violations()[:20]:
             print(report.transcript_text(transcript, verdict, refs[transcript.template.name]))
         if len(report.violations()) > 20:
             print(f"… and {len(report.violations()) - 20} more violation(s) (all in --report)")
         report.extra["violation_transcripts"] = [
-            {"verdict": v.__dict__, "transcript": t.to_json()} for t, v, _ in report.violations()
+            {"verdict": asdict(v), "transcript": t.to_json()} for t, v, _ in report.violations()
         ]
         report.elapsed_s = time.monotonic() - started
         return report
     raise AssertionError("unreachable")
 
 
-async def _final_counts(topo: Topology) -> list[LifeCounts]:
+async def _start(
+    args: Args,
+    root: Path,
+    topo: Topology,
+    stack: AsyncExitStack,
+    nursery: trio.Nursery,
+    templates: list[Template],
+    own_ids: set[str],
+) -> dict[str, Answer]:
+    """The control plane (etcd), the proxies, the topology and the references (at once), the LoRA adapter on every
+    aggregated worker, and every model served through every frontend; returns the references. What is started is
+    stopped by ``stack``; this program's own warm-up requests' ids go to ``own_ids``."""
+    if args.control_plane == "etcd":
+        cluster = Cluster(
+            topo.network, root, topo.env, etcd_port=free_low_port(), nats_port=free_low_port(), stack=stack
+        )
+        topo.cluster = cluster
+        stack.push_async_callback(_stop_control_plane, cluster)
+        await cluster.start_etcd()
+        await cluster.start_nats()
+        for frontend in topo.frontends.values():
+            frontend.managed.env = topo.host_env(frontend.host)
+        for worker in topo.workers.values():
+            worker.sidecar.env = topo.host_env(worker.host, DYN_SYSTEM_PORT=str(worker.system_port))
+    stack.push_async_callback(topo.stop_all)
+    for proxy in topo.proxies:
+        await nursery.start(proxy.run)
+    refs: dict[str, Answer] = {}
+
+    async def reference_task() -> None:
+        refs.update(await references(templates, root))
+
+    with trio.fail_after(STARTUP_TIMEOUT_S):
+        async with trio.open_nursery() as startup:
+            startup.start_soon(reference_task)
+            startup.start_soon(topo.start_all)
+        async with httpx.AsyncClient(timeout=30) as http:
+            for name in AGG_WORKERS:
+                answer = await topo.load_lora(topo.workers[name])
+                if answer.get("status") != "ok":
+                    raise RuntimeError(f"loading {LORA} on {name}: {answer}")
+            for frontend in topo.frontends.values():
+                await _wait_serves(http, frontend.url, [MODEL, LORA, PD_MODEL], own_ids)
+    return refs
+
+
+async def _heal(state: ChaosState) -> list[tuple[str, bool, str]]:
+    """The faults have stopped: the topology must be whole within ``HEAL_TIMEOUT_S``, then every engine quiet."""
+    healed = False
+    states: dict[str, str] = {}
+    async with httpx.AsyncClient(timeout=10) as http:
+        with trio.move_on_after(HEAL_TIMEOUT_S):
+            while True:
+                healed, states = await whole(state, http)
+                if healed:
+                    break
+                await trio.sleep(0.5)
+    postconditions = [("every worker serving and listed by both frontends", healed, str(states))]
+    return postconditions + await engines_quiet(state.topo, QUIESCE_TIMEOUT_S)
+
+
+def _excuse_migrations(
+    topo: Topology, load: Load, attempts: dict[str, list[End]], tally: Tally
+) -> list[tuple[Transcript, Verdict, Answer | None]]:
+    """Every request's verdict, in order; a ``usage_mismatch`` judged again with the frontend's record of the
+    migration (``migrated_usage``), and when it stays a violation, with what the frontend and the sidecars said."""
+    mismatched = {
+        rid for _, v, seen in load.results if seen and v.kind == "usage_mismatch" for rid in request_ids(seen)
+    }
+    frontend_logs = [life.process.log_path for f in topo.frontends.values() for life in f.managed.lives]
+    moved = frontend_migrations(frontend_logs, mismatched, tally)
+    verdicts: list[tuple[Transcript, Verdict, Answer | None]] = []
+    for transcript, verdict, seen in sorted(load.results, key=lambda r: r[0].number):
+        if seen is not None and verdict.kind == "usage_mismatch":
+            ids = request_ids(seen)
+            by_frontend = max((moved[rid] for rid in ids if rid in moved), default=None)
+            verdict = migrated_usage(verdict, seen, load.references[transcript.template.name], by_frontend)
+            if verdict.outcome == "violation":
+                tried = [a for rid in ids for a in attempts.get(rid, [])]
+                shown = "; ".join(f"{a.outcome} ({a.reason}) {a.tokens_in} in / {a.tokens_out} out" for a in tried)
+                detail = (
+                    f"{verdict.detail}; the frontend's migrations moved {by_frontend} tokens; the sidecars' "
+                    f"attempts: {shown or 'none'}"
+                )
+                verdict = Verdict("violation", verdict.kind, detail)
+        verdicts.append((transcript, verdict, seen))
+    return verdicts
+
+
+def watched(topo: Topology, mono0: float) -> list[Watched]:
+    """The long-lived processes whose resources are sampled, and this program itself (not judged)."""
+
+    def of(managed: Managed) -> Callable[[], tuple[int, int, float] | None]:
+        def current() -> tuple[int, int, float] | None:
+            life = managed.life
+            if life is None or life.end != "running" or life.process.returncode is not None:
+                return None
+            return life.number, life.process.pid, life.started - mono0
+
+        return current
+
+    def fixed(process: Process | None, pid: int | None = None) -> Callable[[], tuple[int, int, float] | None]:
+        def current() -> tuple[int, int, float] | None:
+            if pid is not None:
+                return 1, pid, -1.0
+            if process is None or process.returncode is not None:
+                return None
+            return 1, process.pid, -1.0
+
+        return current
+
+    out = [Watched(f"sidecar {name}", "sidecar", of(w.sidecar), f"{w.system_url}/metrics")
+           for name, w in topo.workers.items()]  # fmt: skip
+    out += [Watched(f"engine {name}", "engine", of(w.engine.managed)) for name, w in topo.workers.items()]
+    out += [Watched(f"frontend {name}", "frontend", of(f.managed)) for name, f in topo.frontends.items()]
+    if topo.cluster is not None:
+        out += [Watched("etcd", "etcd", fixed(topo.cluster.etcd)), Watched("nats", "nats", fixed(topo.cluster.nats))]
+    out.append(Watched(HARNESS, "harness", fixed(None, os.getpid())))
+    return out
+
+
+async def _discovery_sets(topo: Topology) -> dict[str, Counter[str]]:
+    """Each worker's discovery entries in etcd, as shapes, once the topology is up (empty on file discovery)."""
+    if topo.cluster is None:
+        return {}
+    async with httpx.AsyncClient(timeout=5) as http:
+        entries = sets(await etcd_entries(http, topo.cluster.etcd_url))
+        instances = {name: await worker_instance(http, worker) for name, worker in topo.workers.items()}
+    return {name: entries.get(instance, Counter()) for name, instance in instances.items() if instance is not None}
+
+
+async def _discovery_settled(topo: Topology, expected: dict[str, Counter[str]]) -> tuple[str, bool, str]:
+    """One set of entries per live worker in etcd, none of a dead instance (waited for: a SIGKILLed run's entries
+    stay until its lease expires)."""
+    assert topo.cluster is not None
+    async with httpx.AsyncClient(timeout=5) as http:
+        live = {name: await worker_instance(http, worker) for name, worker in topo.workers.items()}
+    known = {name: instance for name, instance in live.items() if instance is not None}
+    ok, detail = await settled(topo.cluster.etcd_url, known, expected, LEASE_S + MARGIN_S)
+    if len(known) < len(live):
+        ok, detail = False, f"no instance id from {sorted(set(live) - set(known))}; {detail}"
+    return "etcd holds one set of discovery entries per live worker, none of a dead instance", ok, detail
+
+
+async def _final_counts(topo: Topology, tally: Tally) -> list[LifeCounts]:
     """Every sidecar run's request-end lines, and the metrics of the runs still alive (scraped now, all quiet)."""
     lives: list[LifeCounts] = []
     async with httpx.AsyncClient(timeout=5) as http:
@@ -514,7 +666,7 @@ async def _final_counts(topo: Topology) -> list[LifeCounts]:
                         metrics = metric_counts((await http.get(f"{worker.system_url}/metrics")).text)
                     except httpx.HTTPError:
                         metrics = None
-                ends = log_ends(life.process.log_path)
+                ends = log_ends(life.process.log_path, tally)
                 counts = Counter(end.outcome for end in ends)
                 handoff = name == "pd-prefill"  # its "finished (length)" hands the request to the decode worker
                 finished = [

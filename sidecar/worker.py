@@ -33,7 +33,7 @@ from sidecar.dynamo import (
     RegistrationRefused,
     open_dynamo,
 )
-from sidecar.edge import open_edge
+from sidecar.edge import loop_tasks, open_edge
 from sidecar.engine import EngineClientConfig, SchemaIncompatible, open_engine_client, parse_endpoint
 from sidecar.errors import EngineGone, EngineRpcError, GrpcCode, WorkerDraining
 from sidecar.http2 import apply_tunings
@@ -224,6 +224,7 @@ class Worker:
         config = self.config
         life = self.lifecycle
         async with open_edge() as edge, open_engine_client(edge, _client_config(config)) as client:
+            metrics.watch_tasks(trio.lowlevel.current_root_task(), partial(loop_tasks, edge.loop))
             first = None
             with trio.CancelScope() as startup:
                 # A signal during start-up ends it: nothing is registered yet, so nothing needs draining.

@@ -15,6 +15,7 @@ more): items cross in batches, one thread hop per batch and never per item; call
 asyncio objects are created on the edge thread only; cleanup on either side is shielded and time-bounded.
 """
 
+from ._census import loop_tasks as loop_tasks
 from ._errors import BridgeCancelled as BridgeCancelled
 from ._errors import EdgeClosed as EdgeClosed
 from ._errors import EdgeError as EdgeError

@@ -4,8 +4,9 @@ shows that the checker catches every kind of wrong answer).
 The file-discovery run is three minutes of load (about five in all on two cores); the etcd + NATS run is shorter and
 skipped without etcd and nats-server (as ``tests/cluster``; under CI a missing install fails). Both assert zero
 violations, every post-condition (engines idle with no KV session, every worker serving and listed by both
-frontends, the sidecars' counters reconciled with what the clients saw), and that the run did what it claims: faults
-of many kinds injected, answers completed exactly across migrations.
+frontends, on etcd one set of discovery entries per live worker, the sidecars' counters reconciled with what the
+clients saw), the witness sidecar's tasks back to their idle count, and that the run did what it claims: faults of
+many kinds injected, answers completed exactly across migrations.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ def _assert_clean(report: Report, *, kinds: int, complete: int) -> None:
     assert len(executed) >= kinds, f"only {sorted(executed)} injected"
     assert report.outcomes()["complete"] >= complete
     assert report.extra["complete_after_migration"] > 0, "no answer was completed across a migration"
+    # Clock-independent: idle after the load, every sidecar that lived through it has its tasks back (too short a
+    # run for slopes; the 10- and 60-minute forms judge those).
+    assert report.resources is not None
+    assert not [grown for grown in report.resources.grown() if " idle " in grown]
+    witness = report.resources.idles["sidecar w3"]
+    assert set(witness) == {"trio_tasks", "asyncio_tasks"}, "the witness sidecar lived through the run"
 
 
 @pytest.mark.timeout(1020)  # the soak's bound plus two minutes

@@ -170,3 +170,57 @@ def open_network(names: Sequence[str], *, addresses: dict[str, int] | None = Non
         _ip("link", "del", root_link, check=False)
         for ns in reversed(network._namespaces):
             _ip("netns", "del", ns, check=False)
+
+
+# ---------------------------------------------------------------------- partitions
+
+#: The last octet of a next hop no host answers for: traffic routed through it dies at the failed neighbour lookup.
+_NOWHERE = 253
+
+
+def _nowhere(network: Network, octet: int = _NOWHERE) -> str:
+    return network.client_address.rsplit(".", 1)[0] + f".{octet}"
+
+
+def _routes(network: Network, a: str, b: str) -> list[tuple[str, str]]:
+    """``(namespace, destination)`` of the routes that cut ``a`` from ``b`` (``"client"``: the root namespace's leg,
+    whose routes are never touched: the other side's route alone stops every exchange, as a reply never comes)."""
+    routes = []
+    for here, there in ((a, b), (b, a)):
+        if here == "client":
+            continue
+        ns = network.hosts[here].netns
+        target = network.client_address if there == "client" else network.hosts[there].address
+        if ns is not None:
+            routes.append((ns, target))
+    return routes
+
+
+def partition_unavailable(network: Network) -> str | None:
+    """None if :func:`cut` works on this network (namespaces, and a route through a dead next hop); else why not."""
+    if not network.isolated:
+        return f"hosts are not in network namespaces ({network.reason or 'loopback'})"
+    host = next((h for h in network.hosts.values() if h.netns), None)
+    if host is None:
+        return "no host in a namespace"
+    ns, probe_target = host.netns or "", f"{_nowhere(network, _NOWHERE - 1)}/32"
+    probe = _ip("-n", ns, "route", "add", probe_target, "via", _nowhere(network), check=False)
+    if probe.returncode != 0:
+        return f"`ip route add … via` refused: {probe.stderr.strip()}"
+    _ip("-n", ns, "route", "del", probe_target, check=False)
+    return None
+
+
+def cut(network: Network, a: str, b: str) -> None:
+    """Partition hosts ``a`` and ``b``: in each one's namespace, the other's address routed to a next hop nobody
+    answers for. Packets of open connections are dropped without a reset (TCP retransmits, the peer hears nothing);
+    a new connection fails with "no route to host" once the neighbour lookup has failed (≈ 3 s the first time).
+    Everything else of both hosts is untouched. :func:`mend` undoes it; held data then flows again."""
+    for ns, target in _routes(network, a, b):
+        _ip("-n", ns, "route", "replace", f"{target}/32", "via", _nowhere(network))
+
+
+def mend(network: Network, a: str, b: str) -> None:
+    """Undo :func:`cut` (idempotent)."""
+    for ns, target in _routes(network, a, b):
+        _ip("-n", ns, "route", "del", f"{target}/32", check=False)

@@ -40,6 +40,8 @@ EXPECTED = {
     "openengine_sidecar_registration_restores": "counter",
     "openengine_sidecar_kv_event_lag_seconds": "histogram",
     "openengine_sidecar_kv_event_resyncs": "counter",
+    "openengine_sidecar_trio_tasks": "gauge",
+    "openengine_sidecar_asyncio_tasks": "gauge",
 }
 
 # Label names allowed anywhere, and the only values each may take (None: the set is fixed by code, checked below).
@@ -239,3 +241,59 @@ def test_typed_families_mirror_the_exposition() -> None:
             assert all(isinstance(k, str) and isinstance(v, str) for k, v in labels)
             assert isinstance(value, float)
             assert timestamp is None
+
+
+def _gauge(text: str, name: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name:
+                return float(s.value)
+    return None
+
+
+async def test_the_task_gauges_count_both_loops_when_scraped_from_another_thread() -> None:
+    """``openengine_sidecar_trio_tasks`` / ``_asyncio_tasks`` follow tasks as they start and end, read by a scrape on
+    another thread (Dynamo's), as the chaos soak reads them to prove the worker leaks no task."""
+    import asyncio
+    from functools import partial
+
+    import trio
+
+    from sidecar.edge import loop_tasks, open_edge
+
+    async def parked() -> None:
+        await asyncio.sleep(3600)
+
+    async def start_parked(count: int) -> list[asyncio.Task[None]]:
+        return [asyncio.create_task(parked()) for _ in range(count)]
+
+    async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def scrape() -> tuple[float | None, float | None]:
+        text = await trio.to_thread.run_sync(metrics.exposition)
+        return _gauge(text, "openengine_sidecar_trio_tasks"), _gauge(text, "openengine_sidecar_asyncio_tasks")
+
+    saved = (metrics._TASKS.trio_root, metrics._TASKS.asyncio_tasks)
+    try:
+        async with open_edge() as edge:
+            metrics.watch_tasks(trio.lowlevel.current_root_task(), partial(loop_tasks, edge.loop))
+            trio_before, asyncio_before = await scrape()
+            assert trio_before is not None
+            assert trio_before >= 1
+            assert asyncio_before is not None
+            async with trio.open_nursery() as nursery:
+                for _ in range(5):
+                    nursery.start_soon(trio.sleep_forever)
+                await trio.testing.wait_all_tasks_blocked()
+                tasks = await edge.run(start_parked, 3)
+                trio_during, asyncio_during = await scrape()
+                assert trio_during == trio_before + 5
+                assert asyncio_during == asyncio_before + 3
+                await edge.run(cancel_all, tasks)
+                nursery.cancel_scope.cancel()
+            assert await scrape() == (trio_before, asyncio_before)
+    finally:
+        metrics._TASKS.trio_root, metrics._TASKS.asyncio_tasks = saved
