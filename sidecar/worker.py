@@ -494,6 +494,11 @@ class Worker:
             log.warning("engine lost: %d in-flight request(s) failed over", failed)
         while True:
             await self._wait_for_engine(client)
+            if client.going_away is not None:
+                # A GOAWAY heard while reconnecting came from the engine being left (its last connections closing):
+                # the one that answers now said nothing. Its episode ends with those connections (bounded), or the
+                # watch would take the worker out again the moment it serves.
+                await client.wait_drained(timeout_s=config.drain_timeout_s)
             life.fire("reconnected")
             try:
                 deadline = trio.current_time() + config.grpc_startup_deadline_s

@@ -686,3 +686,53 @@ async def test_a_stalled_prefill_engine_is_probed_the_way_its_role_allows_and_th
     assert engine.probes >= 2
     assert not [rid for rid in engine.generates if rid.startswith("openengine-sidecar-canary-")]
     assert dynamo.names()[-1] == "restore"
+
+
+class GoawayEngine(Engine):
+    """An engine whose connections can say GOAWAY: the client's going-away state as ``EngineClient`` keeps it (set at
+    the first GOAWAY of an episode, listeners told, cleared by ``wait_drained`` once no GOAWAY'd connection is left)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.goaway: str | None = None
+
+    @property
+    def going_away(self) -> str | None:
+        return self.goaway
+
+    def send_goaway(self, reason: str = "GOAWAY NO_ERROR") -> None:
+        if self.goaway is None:
+            self.goaway = reason
+            for listener in self.going_away_listeners:
+                listener(reason)
+
+    async def wait_drained(self, timeout_s: float = math.inf) -> None:
+        await trio.lowlevel.checkpoint()
+        self.goaway = None  # the connections that heard it are gone (the engine that sent it stopped)
+
+
+async def test_a_goaway_heard_while_reconnecting_does_not_take_the_worker_out_again_once_it_serves(
+    autojump_clock: Clock, transitions: list[tuple[float, str, str]]
+) -> None:
+    """Issue 31 item 4 (one unregistration per withdrawal), seen in a 10-minute soak: the engine being left said
+    GOAWAY while the worker was already reconnecting; the worker came back serving with the restarted engine, then
+    acted on that old GOAWAY -- ``serving -> degraded`` the same millisecond, a second withdrawal and ~0.8 s out of
+    routing although the new engine had said nothing. A GOAWAY belongs to the connections of the engine that sent
+    it: once another engine answers, it is over."""
+    engine, dynamo = GoawayEngine(), Dynamo()
+    worker = await serving_worker(engine, dynamo, "--health-failure-threshold", "1")
+    async with trio.open_nursery() as nursery:
+        await run_watchers(nursery, worker, engine, dynamo)
+        engine.up = False
+        await wait_state(worker, "reconnecting", within=10)
+        engine.send_goaway()  # the old engine's last connection closing down, while the worker reconnects
+        await trio.sleep(3.0)  # virtual: the outage goes on a while
+        engine.restart(instance="engine-2")
+        await serving_again(worker)
+        withdrawals = dynamo.names().count("withdraw")
+        await trio.sleep(5.0)  # virtual: a few health polls of the serving worker
+        nursery.cancel_scope.cancel()
+    after = [(e, d) for _, e, d in transitions if d == "degraded"]
+    assert state(worker) == "serving"
+    assert not after, f"the worker left serving again without a new GOAWAY: {after}"
+    assert dynamo.names().count("withdraw") == withdrawals == 1, dynamo.names()
