@@ -41,6 +41,7 @@ from tests.helpers.scripted_engine import (
     error,
     finished,
     recorder,
+    serve,
     token,
 )
 
@@ -149,7 +150,7 @@ async def test_an_event_after_the_terminal_fails_the_request_instead_of_succeedi
     out: list[dict[str, Any]] = []
 
     async def consume() -> None:
-        async for batch in make_server(engine).handle(request(), RequestContext(request_id=RID)):
+        async for batch in serve(make_server(engine), request(), RequestContext(request_id=RID)):
             out.extend(batch)
 
     with pytest.raises(ProtocolViolation) as caught:
@@ -253,7 +254,7 @@ async def test_trace_headers_reach_the_engine_metadata(autojump_clock: trio.test
     server = make_server(engine)
     parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     ctx = RequestContext(request_id=RID, trace_headers={"traceparent": parent})
-    async for _ in server.handle(request(), ctx):
+    async for _ in serve(server, request(), ctx):
         pass
     assert ("traceparent", parent) in engine.metadata[0]
 
@@ -296,7 +297,7 @@ class Frontend:
 
     async def run(self, server: RequestServer, body: dict[str, Any]) -> None:
         with trio.CancelScope() as scope:
-            async for batch in server.handle(body, RequestContext(request_id=RID)):
+            async for batch in serve(server, body, RequestContext(request_id=RID)):
                 for chunk in batch:
                     self.chunks.append(chunk)
                     if "finish_reason" not in chunk and self.stop_ids.intersection(chunk["token_ids"]):
@@ -351,7 +352,7 @@ async def test_the_hold_never_delays_other_tokens(autojump_clock: trio.testing.M
     engine = ScriptedEngine([(0.01, [token(0, 10)]), (0.01, [token(0, 11)]), (0.01, [token(0, 12)]), (0.5, None)])
     arrivals: list[float] = []
     with trio.move_on_after(0.2):
-        async for _ in make_server(engine).handle(natural(), RequestContext(request_id=RID)):
+        async for _ in serve(make_server(engine), natural(), RequestContext(request_id=RID)):
             arrivals.append(trio.current_time())
     assert arrivals == pytest.approx([0.01, 0.02, 0.03])
 
@@ -361,7 +362,7 @@ async def test_an_engine_that_stalls_after_an_eos_token_costs_the_bound_only(
 ) -> None:
     engine = ScriptedEngine(split_finish(10.0, EOS))
     out: list[tuple[float, dict[str, Any]]] = []
-    async for batch in make_server(engine, inactivity=30.0).handle(natural(), RequestContext(request_id=RID)):
+    async for batch in serve(make_server(engine, inactivity=30.0), natural(), RequestContext(request_id=RID)):
         out.extend((trio.current_time(), chunk) for chunk in batch)
     (t_eos, eos_chunk), (_, fin_chunk) = out[1], out[2]
     assert eos_chunk["token_ids"] == [11, EOS]
@@ -445,7 +446,7 @@ async def test_tokens_in_the_batch_of_a_terminal_error_reach_the_client_before_t
     seen: list[dict[str, Any]] = []
 
     async def client() -> None:
-        async for chunks in make_server(engine).handle(natural(), RequestContext(request_id=RID)):
+        async for chunks in serve(make_server(engine), natural(), RequestContext(request_id=RID)):
             seen.extend(chunks)
 
     with pytest.raises(EngineFailure):
@@ -553,8 +554,14 @@ class ByRequest:
     def __init__(self, engines: dict[str, ScriptedEngine]) -> None:
         self.engines = engines
 
-    def generate(self, request: pb.GenerateRequest, *, metadata: Sequence[tuple[str, str]] = ()) -> Any:
-        return self.engines[request.request_id].generate(request, metadata=metadata)
+    @property
+    def edge(self) -> Any:
+        return next(iter(self.engines.values())).edge
+
+    def start_generate(
+        self, request: pb.GenerateRequest, sink: Any, *, metadata: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        self.engines[request.request_id].start_generate(request, sink, metadata=metadata)
 
     async def abort(self, request_id: str, *, timeout_s: float | None = None) -> Any:
         return await self.engines[request_id].abort(request_id)

@@ -90,6 +90,22 @@ class Edge:
         link = self._require_open()
         return await AsyncioCall(link, lambda: fn(*args)).result()
 
+    def to_loop(self, fn: Callable[[*Ts], object], *args: *Ts) -> bool:
+        """Run ``fn(*args)`` soon on the edge loop thread, without waiting (from any thread; posts run in order).
+
+        ``False`` once the loop is closed (``fn`` will not run). For fire-and-forget commands such as a request's
+        data path (``sidecar.datapath``); :meth:`run` is the call that waits for a result.
+        """
+        link = self._link
+        return link is not None and link.to_loop(fn, *args)
+
+    def to_trio(self, fn: Callable[[*Ts], object], *args: *Ts) -> bool:
+        """Run ``fn(*args)`` soon in trio's thread (call it on the edge loop thread; posts run in order, several per
+        wakeup of trio). ``fn`` must not block; an exception from it is logged, never raised inside trio. ``False``
+        once trio has finished."""
+        link = self._link
+        return link is not None and link.to_trio(fn, *args)
+
     def open_stream(self, fn: Callable[[*Ts], AsyncIterator[T]], *args: *Ts, high_water: int = 1024) -> BatchStream[T]:
         """Consume the asyncio async iterator ``fn(*args)`` from trio, as batches (trio → asyncio).
 

@@ -53,8 +53,7 @@ from ._transport import DirectSink, GoawayRefused
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
-    from sidecar.edge import Feed
-
+    from ._sink import GenerateSink
     from ._transport import GracefulProtocol, PooledChannel
 
 __all__ = ["DirectStream", "start_direct_stream"]
@@ -81,7 +80,7 @@ _NO_WAITER: Final = _NoWaiter()
 
 
 def start_direct_stream(
-    feed: Feed[Any],
+    feed: GenerateSink,
     rpc: str,
     channel: PooledChannel,
     path: str,
@@ -136,7 +135,7 @@ class DirectStream(DirectSink):
                  "protocol", "released", "rpc", "window_updated")  # fmt: skip
 
     def __init__(
-        self, feed: Feed[Any], rpc: str, channel: PooledChannel, response_type: type[Any], max_bytes: int
+        self, feed: GenerateSink, rpc: str, channel: PooledChannel, response_type: type[Any], max_bytes: int
     ) -> None:
         self._feed: Final = feed
         self.rpc: Final = rpc

@@ -12,6 +12,7 @@ import trio
 
 from sidecar.dynamo import DynamoSettings, Registration, RequestContext, open_dynamo
 from sidecar.edge import open_edge
+from tests.helpers.handlers import batches_handler
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -29,7 +30,7 @@ async def test_lifecycle_with_in_memory_discovery(model_dir: Path) -> None:
             settings = DynamoSettings(discovery_backend="mem", namespace=f"inproc{round_}")
             async with open_edge() as edge, open_dynamo(edge, settings) as worker, trio.open_nursery() as nursery:
                 assert await worker.registration_present()  # nothing published yet: nothing missing
-                await worker.serve(nursery, handler)
+                await worker.serve(nursery, batches_handler(edge, handler))
                 await worker.register(reg)
                 await worker.register(reg)  # idempotent
                 assert worker.registration == reg
