@@ -78,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         engine,
+        "--grpc-receive",
+        "DYN_SIDECAR_GRPC_RECEIVE",
+        "how Generate streams are received: direct = straight from the HTTP/2 events (no grpclib stream or task per "
+        "message: about a third less CPU per engine message, docs/architecture.md); grpclib = through grpclib's streams",
+        default="direct",
+        choices=("direct", "grpclib"),
+    )
+    add(
+        engine,
         "--grpc-connect-attempt-timeout-secs",
         "DYN_SIDECAR_GRPC_CONNECT_ATTEMPT_TIMEOUT_SECS",
         "bound on one connection attempt",
@@ -548,6 +557,7 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         lora_load_timeout_s=_number(ns, "lora_load_timeout_secs", "--lora-load-timeout-secs", float),
         lora_fetch_timeout_s=_number(ns, "lora_fetch_timeout_secs", "--lora-fetch-timeout-secs", float),
         engine_detokenize=ns.engine_detokenize,
+        grpc_receive=ns.grpc_receive,
     )
 
 

@@ -72,6 +72,8 @@ class SidecarConfig:
     #: ``auto``: ask the engine not to detokenize (``extra.detokenize = false``) when it is known to accept that
     #: (TensorRT-LLM); ``on``: let it detokenize; ``off``: ask any engine not to.
     engine_detokenize: EngineDetokenize = "auto"
+    #: How ``Generate`` streams are received: straight from the HTTP/2 events, or through grpclib's streams.
+    grpc_receive: Literal["direct", "grpclib"] = "direct"
 
 
 class ConfigError(ValueError):

@@ -4,8 +4,6 @@ grpclib runs on the edge's asyncio thread (``sidecar.edge``); everything here is
 is raised as :class:`sidecar.errors.EngineRpcError` (transport loss → UNAVAILABLE, deadline → DEADLINE_EXCEEDED).
 """
 
-from sidecar.edge import StreamIdle as StreamIdle
-
 from ._client import BatchIterator as BatchIterator
 from ._client import ChannelStats as ChannelStats
 from ._client import EngineClient as EngineClient
@@ -58,7 +56,6 @@ __all__ = [
     "MetadataError",
     "RequestMetadata",
     "SchemaIncompatible",
-    "StreamIdle",
     "TlsFiles",
     "TlsFilesError",
     "TraceContext",

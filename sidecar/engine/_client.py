@@ -178,16 +178,6 @@ class BatchIterator(Generic[_T]):
         except EdgeError as exc:
             raise EngineRpcError(self._rpc, GrpcCode.UNAVAILABLE, f"the edge loop is gone: {exc}") from exc
 
-    def watch_idle(self, seconds: float) -> None:
-        """Raise :class:`~sidecar.edge.StreamIdle` in a consumer waiting while the engine sent nothing for
-        ``seconds`` (the stream stays open). One sweep on the edge loop for every stream watched: the consumer needs
-        no deadline of its own per wait."""
-        self._batches.watch_idle(seconds)
-
-    def interrupt(self, error: BaseException) -> None:
-        """Raise ``error`` in the consumer if it is waiting for the next batch now (else nothing happens)."""
-        self._batches.interrupt(error)
-
 
 class _BoundedProtoCodec(ProtoCodec):
     """grpclib's proto codec plus the message-size limit grpclib lacks (grpcio enforces one; we match it)."""

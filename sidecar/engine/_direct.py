@@ -1,7 +1,8 @@
 """``Generate`` streams received straight from the HTTP/2 events: no grpclib stream, buffer or task per message.
 
-Opt-in (``EngineClientConfig.direct_receive``): ~37 % less client CPU per message in isolation, but end to end on two
-shared cores its smaller batches cost more downstream than it saves (docs/performance.md, third pass).
+The default receive path (``EngineClientConfig.direct_receive``, ``--grpc-receive direct``): on the loop-resident
+data path it costs about a third less CPU per engine message than grpclib's streams (docs/architecture.md, *The data
+path*).
 
 grpclib still owns the connection (``PooledChannel``, ``GracefulProtocol``: connecting, TLS, keepalive, GOAWAY,
 h2); what it no longer does for these streams is the per-message part. There, grpclib queued every DATA frame in
@@ -9,7 +10,8 @@ the stream's ``Buffer``, and a task per stream woke for every message to read it
 pump task forwarded each to trio -- about a third of the sidecar's CPU per engine message (docs/performance.md).
 Here the processor hands a stream's events to its :class:`DirectStream` (``_transport.DirectSink``), which cuts the
 gRPC messages out of the DATA as it arrives, decodes them (upb), and at the end of the read hands everything that
-reads of one loop iteration brought for the stream to trio in one :meth:`~sidecar.edge.Feed.push`.
+reads of one loop iteration brought for the stream to its consumer in one ``push`` (:class:`._sink.GenerateSink`:
+the request's data path on the loop, or ``Edge.open_feed`` towards trio).
 
 What grpclib did and this keeps, each tested in ``tests/engine/test_direct.py``:
 
