@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--grpc-receive",
         "DYN_SIDECAR_GRPC_RECEIVE",
         "how Generate streams are received: direct = straight from the HTTP/2 events (no grpclib stream or task per "
-        "message: about a third less CPU per engine message, docs/architecture.md); grpclib = through grpclib's streams",
+        "message: about a third less CPU per engine message, docs/architecture.md); grpclib = through grpclib's "
+        "streams",
         default="direct",
         choices=("direct", "grpclib"),
     )

@@ -172,7 +172,7 @@ async def test_a_sink_without_room_holds_the_engine_back_until_it_has_room(edge:
         r.trailers(0)
 
     with trio.fail_after(TEST_BOUND):
-        async with raw_engine(edge, script) as (endpoint, seen), client_for(edge, endpoint, direct) as client:
+        async with raw_engine(edge, script) as (endpoint, _), client_for(edge, endpoint, direct) as client:
             sink = RecordingSink(edge, room=False)
             await start(edge, client, sink)
             await trio.sleep(1.0)
