@@ -265,6 +265,8 @@ class ActiveRequest:
                 if kind == ENDED:
                     self._note_error_after_stop(value[0])
                     break
+                if kind == IDLE:
+                    break
         if complete:
             self._ended_downstream()
         else:

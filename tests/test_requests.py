@@ -424,6 +424,23 @@ async def test_a_client_leaving_a_stop_string_request_mid_stream_is_still_a_canc
     assert engine.abort_times[0] == pytest.approx(0.11)
 
 
+async def test_a_client_leaving_a_stop_string_request_before_the_engine_stalls_is_aborted_one_hold_later(
+    autojump_clock: trio.testing.MockClock, recorder: Recorder
+) -> None:
+    """Issue 29 item 4(a): after the frontend closed a stop-string stream, the wait for the engine's next event is
+    bounded by one hold. The client leaves 5 ms after a token and the engine then sends nothing: the Abort comes one
+    hold (0.25 s) after the close, not at the inactivity timeout."""
+    engine = ScriptedEngine([(0.01, [token(0, 10 + i)]) for i in range(10)] + [(0.0, None)])
+    with trio.fail_after(60):
+        with trio.move_on_after(0.105):
+            await collect(make_server(engine, inactivity=30.0), natural(stop=["river"]))
+        while not engine.aborts:
+            await trio.sleep(0.01)
+    assert ("close", "stopping") in recorder.events
+    assert recorder.final == "cancelled"
+    assert engine.abort_times == [pytest.approx(0.105 + 0.25)]
+
+
 async def test_a_client_leaving_a_plain_request_is_aborted_at_once(
     autojump_clock: trio.testing.MockClock, recorder: Recorder
 ) -> None:
