@@ -15,7 +15,9 @@ cost ~27-29 µs of CPU per round trip on two cores (loop → trio → loop); her
 * loop → trio (``ActiveRequest.on_path_event``): ``FIRST`` (the engine's first response: the request machine's
   ``first_token``, and the point where a decode leg's deferred stop takes effect), ``STOPPED`` (Dynamo stopped
   reading), ``VERDICT`` (after such a stop: did the engine's next event end the answer?), ``IDLE`` (nothing from
-  the engine for the inactivity timeout), ``ENDED`` (the engine stream is over: complete, or how it failed).
+  the engine for the inactivity timeout), ``STOP_STRING`` (the answer ends at a stop string the frontend matches in
+  the engine's text, and the engine went on: trio aborts it, and its terminal brings the usage), ``ENDED`` (the
+  engine stream is over: complete, or how it failed).
 
 What the path does on its own is mechanical, never a lifecycle decision: it maps; it holds a chunk that ends with a
 token the engine's terminal follows (EOS, a stop token, the ``max_tokens``-th token, a stop string the engine's text
@@ -55,6 +57,7 @@ __all__ = [
     "IDLE",
     "IDLE_SWEEP_MARGIN_S",
     "STOPPED",
+    "STOP_STRING",
     "TERMINAL_HOLD_S",
     "VERDICT",
     "DataPath",
@@ -86,6 +89,7 @@ FIRST: Final = "first"  # value: True if the first response already ended the st
 STOPPED: Final = "stopped"  # value: (may_be_complete, complete_now): see DataPath._client_stopped
 VERDICT: Final = "verdict"  # value: True when the engine's terminal followed a stop, False when it went on
 IDLE: Final = "idle"  # value: seconds since any path got anything from the engine
+STOP_STRING: Final = "stop_string"  # value: the stop string the frontend ends the answer at; the engine went on
 ENDED: Final = "ended"  # value: (error or None, lingered): see DataPath.end / fail
 
 PathEvent = tuple[str, Any]
@@ -176,7 +180,8 @@ class DataPath:
 
     __slots__ = ("_closed", "_ended", "_eof_timer", "_final", "_first_seen", "_held", "_hold_timer", "_idle_s",
                  "_loop", "_may_be_complete", "_on_room", "_owner", "_paths", "_quiet_since", "_sent", "_sink",
-                 "_stop_texts", "_stopped", "_to_trio", "_verdict_sent", "mapper", "on_cancel")  # fmt: skip
+                 "_stop_string_reported", "_stop_texts", "_stopped", "_to_trio", "_verdict_sent", "mapper",
+                 "on_cancel")  # fmt: skip
 
     def __init__(
         self,
@@ -210,6 +215,7 @@ class DataPath:
         self._may_be_complete = False  # the last chunk sent may have completed the answer
         self._stopped = False  # Dynamo stopped reading
         self._verdict_sent = False
+        self._stop_string_reported = False
         self._ended = False  # the engine stream is over (its end, a failure, or reset by close)
         self._closed = False
         self._on_room: Callable[[], None] | None = None
@@ -298,7 +304,10 @@ class DataPath:
             self._paths.unwatch(self)
             self._eof_timer = self._loop.call_at(now + EOF_GRACE_S, self._lingered)
         elif chunks and not stopped:
-            if mapper.awaits_terminal(chunks):
+            if held and mapper.ends_at_stop_string:
+                self._held = chunks  # the engine's next event came and was no terminal: it goes on past the stop
+                self._engine_went_on()
+            elif mapper.awaits_terminal(chunks):
                 self._held = chunks
                 self._hold_timer = self._loop.call_at(now + TERMINAL_HOLD_S, self._release_held)
             else:
@@ -374,17 +383,32 @@ class DataPath:
             self._engine_ended(None, lingered=True)
 
     def _release_held(self) -> None:
-        # No terminal within the hold: the chunks go out as they are (and the client may now have its whole answer).
+        # No terminal within the hold: the chunks go out as they are (and the client may now have its whole answer),
+        # unless they end at the frontend's stop string: then the engine is generating past the answer.
         self._hold_timer = None
+        if self._held and self.mapper.ends_at_stop_string:
+            self._engine_went_on()
+        else:
+            self._send_held()
+
+    def _send_held(self) -> None:
         held, self._held = self._held, []
         if held and not self._stopped:
             self._send(held)
             self._may_be_complete = True
 
+    def _engine_went_on(self) -> None:
+        """The held chunks end at the frontend's stop string and the engine goes on: trio aborts the request, and
+        the engine's terminal (``cancelled``, with its usage) closes the held answer (``stop``, the client's tokens,
+        the engine's cached tokens). Held until then, bounded by the inactivity timeout."""
+        if not self._stop_string_reported:
+            self._stop_string_reported = True
+            self._post(STOP_STRING, self.mapper.stop_string)
+
     def _release_held_as_is(self) -> None:
         # The stream ends (or fails) right after held chunks: they are the client's before whatever follows.
         self._cancel_hold()
-        self._release_held()
+        self._send_held()
 
     def _cancel_hold(self) -> None:
         if self._hold_timer is not None:

@@ -58,7 +58,17 @@ from openengine_bp.openengine.v1 import HealthState
 from sidecar.convert import HEALTH_CANARY_PAYLOAD, build_generate_request
 from sidecar.convert.enums import bp_enum
 from sidecar.convert.request import role_of_engine
-from sidecar.datapath import ENDED, FIRST, IDLE, STOPPED, TERMINAL_HOLD_S, VERDICT, DataPath, DataPaths
+from sidecar.datapath import (
+    ENDED,
+    FIRST,
+    IDLE,
+    STOP_STRING,
+    STOPPED,
+    TERMINAL_HOLD_S,
+    VERDICT,
+    DataPath,
+    DataPaths,
+)
 from sidecar.errors import (
     EngineFailure,
     EngineGone,
@@ -323,6 +333,12 @@ class ActiveRequest:
         await self._server._report_stall(serving, silent_s, error)
         raise error
 
+    async def _on_stop_string(self, stop: str) -> None:
+        """The answer ends at a stop string the frontend matches in the engine's text (inside a token, say), and the
+        engine goes on: it is aborted, and its terminal closes the answer (``stop``, with the engine's usage)."""
+        self._end.reason = f"stop string {stop!r}, matched by the frontend; the engine went on and was aborted"
+        await _abort(self._serving, self.ctx.request_id)
+
     async def _on_ended(self, value: tuple[BaseException | None, bool]) -> None:
         """The engine stream is over: complete (its final chunks wait in the path), or failed."""
         error, lingered = value
@@ -335,7 +351,8 @@ class ActiveRequest:
         if self.mapper.handed_off:
             self.lifecycle.fire("handoff")
         final = self._path.final
-        self._end.finished(final)
+        if not self._end.reason:
+            self._end.finished(final)
         self._end.sent(final)
         self._holds_engine = False  # the stream ended on its own: the engine no longer holds the request
         self.lifecycle.fire("finish")
@@ -417,6 +434,7 @@ _ON_EVENT: Final[dict[str, Callable[[ActiveRequest, Any], Awaitable[None]]]] = {
     FIRST: ActiveRequest._on_first,
     STOPPED: ActiveRequest._on_stopped,
     IDLE: ActiveRequest._on_idle,
+    STOP_STRING: ActiveRequest._on_stop_string,
     ENDED: ActiveRequest._on_ended,
     VERDICT: ActiveRequest._ignore,
 }

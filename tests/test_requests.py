@@ -411,6 +411,40 @@ async def test_a_stop_string_completing_token_waits_for_its_finish_when_the_engi
     assert engine.aborts == []
 
 
+async def test_a_stop_string_inside_a_token_ends_the_answer_there_with_the_engines_usage(
+    autojump_clock: trio.testing.MockClock, recorder: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 27 item 4(c): the frontend matches the stop string " th" inside the token " the"; an engine that matches
+    stop strings as token sequences (TensorRT-LLM) goes on. The sidecar sees the match in the engine's text: it holds
+    that chunk, aborts the engine once its next event shows it going on, and closes the answer with the engine's
+    terminal -- ``stop``, the stop string, the client's tokens and the engine's cached tokens. Failed before: the
+    chunk went out alone, the frontend ended the stream there, and the request was ``cancelled`` ("stopped by the
+    client"), with usage the frontend made up without ``cached_tokens``."""
+    engine = ScriptedEngine(
+        [
+            (0.01, [token(0, 10, text=" The")]),
+            (0.01, [token(0, 11, text=" the")]),  # " th" completes inside this token
+            (0.01, [token(0, 12, text=" river")]),  # the engine goes on
+            (0.01, [token(0, 13, text=" ran")]),
+            (0.005, [finished(0, pb.FINISH_REASON_CANCELLED, usage=(3, 4), cached=2)]),  # after the Abort
+        ]
+    )
+    frontend = Frontend({EOS}, ends_at={11})
+    with caplog.at_level(logging.INFO, logger="sidecar.requests"):
+        await frontend.run(make_server(engine), natural(stop=[" th"]))
+    assert frontend.stopped_at is None, "the frontend got the stop string's chunk with its finish"
+    last = frontend.chunks[-1]
+    assert last["token_ids"] == [11]
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", " th")
+    assert last["completion_usage"]["completion_tokens"] == 2, "the tokens the client got"
+    assert last["completion_usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+    assert [t for c in frontend.chunks for t in c["token_ids"]] == [10, 11]
+    assert recorder.final == "finished"
+    assert engine.aborts == [RID], "the engine went on: it is aborted"
+    [line] = [r.getMessage() for r in caplog.records if r.name == "sidecar.requests"]
+    assert line.startswith("request req-1 finished (stop string ' th'"), line
+
+
 async def test_a_client_leaving_a_stop_string_request_mid_stream_is_still_a_cancel_with_abort(
     autojump_clock: trio.testing.MockClock, recorder: Recorder
 ) -> None:
