@@ -23,8 +23,9 @@ Clients:
 * ``ours-nodetok`` — ``ours`` asking for ``extra.detokenize=false`` (``--detokenize-ab``: only these two, 64 streams):
   the mock's CPU per message with and without detokenizing, a proxy for what TensorRT-LLM saves;
 * ``path``       — the worker's whole request path minus Dynamo's binding: per stream an asyncio task iterates the
-  Dynamo handler (``sidecar.dynamo._handler.make_handler``, a stand-in ``Context``), whose pump runs
-  ``RequestServer.handle`` in trio over ``edge.trio_stream``, which reads ``generate`` (64-stream rows only;
+  Dynamo handler (``sidecar.dynamo._handler.make_handler``, a stand-in ``Context``), which runs
+  ``RequestServer.handle`` in trio, whose data path maps the engine stream into the outbox on the loop (64-stream
+  rows only;
   ``--path-only`` measures nothing else); it counts engine messages consumed, like the others;
 * ``path-h2repr`` — the same with hyperframe's own ``Frame.__repr__`` restored (``--repr-ab``): what the engine
   client's repr patch saves, toggled in one run;
