@@ -117,6 +117,7 @@ class Bench:
         for model, pid in pids.items():
             await wait_for_model(self.url, model, timeout=60)
             self._pin(pid, self.rest)
+        print("pids:", " ".join(f"{model}={pid}" for model, pid in pids.items()), flush=True)
         return pids
 
     async def _sidecar(
@@ -183,11 +184,17 @@ async def run(args: argparse.Namespace) -> list[tuple[Row, list[Measured], list[
     engine = {cpus[-1]} if len(cpus) > 1 else None
     rest = set(cpus[:-1]) if len(cpus) > 1 else None
     concurrencies = [16] if args.quick else [16, 64]
+    if args.concurrency:
+        concurrencies = [args.concurrency]
     settings: list[tuple[float, int, list[Row]]] = []
     for ms in (10.0, 20.0):
         settings.append((ms, 1, [Row(f"paced {ms:g} ms", ms, 1, c) for c in concurrencies]))
     settings.append((0.0, 5, [Row("saturated 5 tok/msg", 0.0, 5, c) for c in concurrencies]))
-    settings.append((0.0, 1, [Row("saturated 1 tok/msg", 0.0, 1, 64 if not args.quick else 16)]))
+    settings.append((0.0, 1, [Row("saturated 1 tok/msg", 0.0, 1, max(concurrencies))]))
+    if args.rows:
+        keys = {"paced10": (10.0, 1), "paced20": (20.0, 1), "sat5": (0.0, 5), "sat1": (0.0, 1)}
+        wanted = {keys[key] for key in args.rows.split(",")}
+        settings = [setting for setting in settings if (setting[0], setting[1]) in wanted]
     results: list[tuple[Row, list[Measured], list[Measured]]] = []
     with dynamo_env() as denv, tempfile.TemporaryDirectory(prefix="bench-paced-") as tmp:
         async with start_frontend(denv) as frontend:
@@ -274,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sidecar-tree", type=Path, default=None, help="also run the sidecar of another checkout (path R), same rounds"
     )
+    parser.add_argument(
+        "--rows", default="", help="only these settings: paced10, paced20, sat5, sat1 (comma-separated)"
+    )
+    parser.add_argument("--concurrency", type=int, default=0, help="only this concurrency")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.max_tokens, args.requests_per_slot = 1, 60, 1

@@ -490,9 +490,6 @@ class RequestServer:
     def in_flight(self) -> int:
         return len(self._active)
 
-    def active_requests(self) -> list[ActiveRequest]:
-        return list(self._active.values())
-
     def tokens_in_flight(self) -> list[int]:
         """Prompt + generated tokens of each request in flight (the load estimate for an engine without KV usage)."""
         return [
