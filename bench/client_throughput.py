@@ -298,7 +298,7 @@ def child_reference(args: argparse.Namespace) -> Result:
 class Mock:
     """``openengine-mock --speedup 0`` (or paced, ``decode_ms`` per step) as a subprocess, killed on exit."""
 
-    def __init__(self, cpu: int | None, max_tokens: int, decode_ms: float | None = None) -> None:
+    def __init__(self, cpu: int | None, max_tokens: int, decode_ms: float | None = None, interval: int = 1) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="bench-mock-")
         port_file = Path(self._tmp.name) / "port"
         timing = ["--speedup", "0"]
@@ -316,7 +316,7 @@ class Mock:
             str(port_file),
             *timing,
             "--stream-interval",
-            "1",
+            str(interval),
             "--max-context-length",
             str(max_tokens + 64),
             "--max-running-requests",

@@ -220,47 +220,11 @@ def child(args: argparse.Namespace) -> Result:
 # ------------------------------------------------------------------------------------------------ parent
 
 
-class Mock:
-    """``openengine-mock --profile trtllm`` as a subprocess on its own CPU, killed on exit."""
-
-    def __init__(self, args: argparse.Namespace, cpu: int | None, workdir: Path) -> None:
-        port_file = workdir / "mock.port"
-        timing = (
-            ["--speedup", "0"] if args.saturated else ["--speedup", "1", "--decode-ms-per-token", str(args.paced_ms)]
-        )
-        argv = [
-            sys.executable, "-m", "sidecar.testing.mock", "--profile", "trtllm", "--port", "0",
-            "--port-file", str(port_file), *timing, "--stream-interval", str(args.interval),
-            "--max-context-length", str(args.max_tokens + 64), "--max-running-requests", "1024",
-            "--total-kv-blocks", str(1024 * (-(-(args.max_tokens + 64) // 16))), "--log-level", "WARNING",
-        ]  # fmt: skip
-        self.log = workdir / "mock.log"
-        with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        if cpu is not None:
-            os.sched_setaffinity(self.proc.pid, {cpu})
-        deadline = time.monotonic() + 30
-        while not port_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"openengine-mock did not start:\n{self.log.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.05)
-        self.target = port_file.read_text().strip()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
-def run_child(candidate: str, tree: Path | None, mock: Mock, args: argparse.Namespace, cpu: int | None) -> Result:
+def run_child(candidate: str, tree: Path | None, mock: Any, args: argparse.Namespace, cpu: int | None) -> Result:
+    """One candidate's measurement in a fresh interpreter (from ``tree``, if given); its last line is the result."""
     argv = [
         sys.executable, str(_HERE), "--child", "--name", candidate, "--target", mock.target,
-        "--pid", str(mock.proc.pid),
+        "--pid", str(mock.pid),
         "--streams", str(args.streams), "--max-tokens", str(args.max_tokens), "--interval", str(args.interval),
         "--warmup", str(args.warmup), "--window", str(args.window),
     ]  # fmt: skip
@@ -336,7 +300,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import tempfile
+    from bench.client_throughput import Mock  # the parent only: a child may run another checkout's bench
 
     args = parse(argv)
     if args.child:
@@ -351,21 +315,20 @@ def main(argv: list[str] | None = None) -> int:
         wanted = set(args.only.split(","))
         candidates = [c for c in candidates if c[0] in wanted]
     results: dict[str, list[Result]] = {name: [] for name, _ in candidates}
-    with tempfile.TemporaryDirectory(prefix="bench-datapath-") as tmp:
-        mock = Mock(args, cpus[-1] if pin else None, Path(tmp))
-        try:
-            for round_ in range(args.rounds):
-                for name, tree in candidates:
-                    result = run_child(name, tree, mock, args, cpus[0] if pin else None)
-                    results[name].append(result)
-                    print(
-                        f"round {round_ + 1} {name}: {result.us_per_message:.1f} µs/msg, "
-                        f"{result.tokens_per_chunk:.2f} tok/chunk, gap p50 {result.gap_p50_ms:.2f} ms "
-                        f"p99 {result.gap_p99_ms:.2f} ms, mock {100 * result.mock_cpu_s / result.seconds:.0f} % CPU",
-                        flush=True,
-                    )
-        finally:
-            mock.close()
+    mock = Mock(cpus[-1] if pin else None, args.max_tokens, None if args.saturated else args.paced_ms, args.interval)
+    try:
+        for round_ in range(args.rounds):
+            for name, tree in candidates:
+                result = run_child(name, tree, mock, args, cpus[0] if pin else None)
+                results[name].append(result)
+                print(
+                    f"round {round_ + 1} {name}: {result.us_per_message:.1f} µs/msg, "
+                    f"{result.tokens_per_chunk:.2f} tok/chunk, gap p50 {result.gap_p50_ms:.2f} ms "
+                    f"p99 {result.gap_p99_ms:.2f} ms, mock {100 * result.mock_cpu_s / result.seconds:.0f} % CPU",
+                    flush=True,
+                )
+    finally:
+        mock.close()
     print()
     print(report(results, args))
     return 0

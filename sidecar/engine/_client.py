@@ -498,7 +498,7 @@ class EngineClient:
                 self._config.max_message_bytes, _note_stream_limit,
             )  # fmt: skip
         else:
-            _SinkPump(sink).start(channel, request, pairs, timeout_s)
+            _SinkPump(sink, channel, request, pairs, timeout_s).start()
 
     # ------------------------------------------------------------------ Control
 
@@ -813,23 +813,28 @@ class _SinkPump:
     the task suspends). Pushing past the sink's room parks the task until :meth:`GenerateSink.hold` calls back, which
     leaves the engine's data unread in grpclib's buffer (HTTP/2 flow control then stops the engine)."""
 
-    __slots__ = ("_batch", "_cancelled", "_room", "_sink", "_task")
+    __slots__ = ("_batch", "_cancelled", "_room", "_sink", "_stream", "_task")
 
-    def __init__(self, sink: GenerateSink) -> None:
-        self._sink = sink
-        self._batch: list[generation_pb2.GenerateResponse] = []
-        self._room: asyncio.Future[None] | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._cancelled = False
-
-    def start(
+    def __init__(
         self,
+        sink: GenerateSink,
         channel: PooledChannel,
         request: generation_pb2.GenerateRequest,
         metadata: list[tuple[str, str]],
         timeout_s: float | None,
     ) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(channel, request, metadata, timeout_s))
+        self._sink = sink
+        self._stream = _aio_server_stream(
+            "Generate", channel, GENERATE_PATH, request, generation_pb2.GenerateRequest,
+            generation_pb2.GenerateResponse, metadata, timeout_s,
+        )  # fmt: skip
+        self._batch: list[generation_pb2.GenerateResponse] = []
+        self._room: asyncio.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._cancelled = False
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
         self._sink.on_cancel = self._cancel
 
     def _cancel(self) -> None:
@@ -837,20 +842,10 @@ class _SinkPump:
         if self._task is not None:
             self._task.cancel(msg="the request's data path closed the stream")
 
-    async def _run(
-        self,
-        channel: PooledChannel,
-        request: generation_pb2.GenerateRequest,
-        metadata: list[tuple[str, str]],
-        timeout_s: float | None,
-    ) -> None:
+    async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        stream = _aio_server_stream(
-            "Generate", channel, GENERATE_PATH, request, generation_pb2.GenerateRequest,
-            generation_pb2.GenerateResponse, metadata, timeout_s,
-        )  # fmt: skip
         try:
-            async for message in stream:
+            async for message in self._stream:
                 if not self._batch:
                     loop.call_soon(self._flush)
                 self._batch.append(message)

@@ -29,6 +29,7 @@ from sidecar.errors import (
     Violation,
     WorkerDraining,
 )
+from tests.helpers.handlers import cancel_on_stop
 
 TIMEOUT = 10
 
@@ -75,7 +76,7 @@ class Probe:
         assert edge is not None
         try:
             with trio.CancelScope() as scope:
-                edge.to_loop(_cancel_on_stop, edge, outbox, scope)
+                edge.to_loop(cancel_on_stop, edge, outbox, scope)
                 i = 0
                 while self.forever or i < self.batches:
                     edge.to_loop(outbox.deliver, [{"token_ids": [2 * i]}, {"token_ids": [2 * i + 1]}])
@@ -91,15 +92,6 @@ class Probe:
             raise
         finally:
             self.finished.set()
-
-
-def _cancel_on_stop(edge: Edge, outbox: ChunkSink, scope: trio.CancelScope) -> None:
-    def stop() -> None:
-        edge.to_trio(scope.cancel)
-
-    outbox.on_stop = stop
-    if outbox.stopped:
-        stop()
 
 
 async def start(edge: Edge, nursery: trio.Nursery, probe: Probe) -> tuple[Any, FakeContext]:

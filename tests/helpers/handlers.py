@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from sidecar.dynamo import ChunkSink, RequestContext, RequestHandler
     from sidecar.edge import Edge
 
-__all__ = ["batches_handler"]
+__all__ = ["batches_handler", "cancel_on_stop"]
 
 
 def batches_handler(
@@ -28,7 +28,7 @@ def batches_handler(
 
     async def handler(request: dict[str, Any], ctx: RequestContext, outbox: ChunkSink) -> None:
         with trio.CancelScope() as scope:
-            edge.to_loop(_cancel_on_stop, edge, outbox, scope)
+            edge.to_loop(cancel_on_stop, edge, outbox, scope)
             async for batch in fn(request, ctx):
                 edge.to_loop(outbox.deliver, batch)
             edge.to_loop(outbox.end)
@@ -36,8 +36,9 @@ def batches_handler(
     return handler
 
 
-def _cancel_on_stop(edge: Edge, outbox: ChunkSink, scope: trio.CancelScope) -> None:
-    # Edge loop: a stop from Dynamo cancels the generator's scope in trio.
+def cancel_on_stop(edge: Edge, outbox: ChunkSink, scope: trio.CancelScope) -> None:
+    """Edge loop: a stop from Dynamo (``outbox.on_stop``, or one that came already) cancels ``scope`` in trio."""
+
     def stop() -> None:
         edge.to_trio(scope.cancel)
 
