@@ -92,10 +92,85 @@ def _cpu_s(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks
 
 
+class _Context:
+    """What the handler uses of Dynamo's context."""
+
+    def __init__(self, request_id: str, loop: Any) -> None:
+        self._id = request_id
+        self._loop = loop
+
+    def id(self) -> str:
+        return self._id
+
+    def trace_headers(self) -> None:
+        return None
+
+    def async_killed_or_stopped(self) -> Any:
+        return self._loop.create_future()  # never stopped; cancelled by the handler at the end
+
+
+class _Reader:
+    """Dynamo's side: one thread drives every request's iterator, one ``__anext__`` at a time per request, and is
+    handed each result through a done-callback posted onto the loop (as Dynamo's binding does)."""
+
+    def __init__(self, loop: Any, generate: Any, args: argparse.Namespace) -> None:
+        import queue
+        import threading
+
+        self.loop, self.generate, self.streams = loop, generate, args.streams
+        self.body = {
+            "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+            "stop_conditions": {"max_tokens": args.max_tokens, "ignore_eos": True},
+            "sampling_options": {"temperature": 0.0},
+        }
+        self.done: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self.stop = threading.Event()
+        self.slots: dict[int, Any] = {}
+        self.last: dict[int, float] = {}
+        self.serial = 0
+        self.tokens = self.chunks = self.finished = 0
+        self.gaps: list[float] | None = None  # recorded while the window is open
+
+    def _start(self, slot: int) -> None:
+        self.serial += 1
+        self.slots[slot] = self.generate(dict(self.body), _Context(f"{slot}-{self.serial}", self.loop))
+        self.last.pop(slot, None)
+        self._ask(slot)
+
+    def _ask(self, slot: int) -> None:
+        future = self.slots[slot].__anext__()
+        self.loop.call_soon_threadsafe(future.add_done_callback, lambda f, s=slot: self.done.put((s, f)))
+
+    def run(self) -> None:
+        import queue
+
+        for slot in range(self.streams):
+            self._start(slot)
+        while not self.stop.is_set():
+            try:
+                slot, future = self.done.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            error = future.exception()
+            if error is not None:
+                if not isinstance(error, StopAsyncIteration):
+                    print(f"request failed: {error!r}", file=sys.stderr)
+                self.finished += 1
+                self._start(slot)
+                continue
+            ids = future.result().get("token_ids") or ()
+            if ids:
+                now = time.perf_counter()
+                self.tokens += len(ids)
+                self.chunks += 1
+                if self.gaps is not None and slot in self.last:
+                    self.gaps.append(now - self.last[slot])
+                self.last[slot] = now
+            self._ask(slot)
+
+
 def child(args: argparse.Namespace) -> Result:
     """Run the request path in this process against the mock at ``args.target``; one measurement window."""
-    import asyncio
-    import queue
     import threading
 
     import trio
@@ -106,73 +181,6 @@ def child(args: argparse.Namespace) -> Result:
     from sidecar.engine import EngineClientConfig, open_engine_client, parse_endpoint
     from sidecar.requests import RequestServer, ServingContext
 
-    class Context:
-        """What the handler uses of Dynamo's context."""
-
-        def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-            self._id = request_id
-            self._loop = loop
-
-        def id(self) -> str:
-            return self._id
-
-        def trace_headers(self) -> None:
-            return None
-
-        def async_killed_or_stopped(self) -> asyncio.Future[None]:
-            return self._loop.create_future()  # never stopped; cancelled by the handler at the end
-
-    stats: dict[str, Any] = {"tokens": 0, "chunks": 0, "finished": 0, "gaps": None}
-    body = {
-        "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
-        "stop_conditions": {"max_tokens": args.max_tokens, "ignore_eos": True},
-        "sampling_options": {"temperature": 0.0},
-    }
-
-    def reader(loop: asyncio.AbstractEventLoop, generate: Any, stop: threading.Event) -> None:
-        """Dynamo's side: one thread drives every request's iterator, one ``__anext__`` at a time per request."""
-        done: queue.SimpleQueue[tuple[int, asyncio.Future[Any]]] = queue.SimpleQueue()
-        slots: dict[int, Any] = {}
-        last: dict[int, float] = {}
-        serial = 0
-
-        def start(slot: int) -> None:
-            nonlocal serial
-            serial += 1
-            slots[slot] = generate(dict(body), Context(f"{slot}-{serial}", loop))
-            last.pop(slot, None)
-            ask(slot)
-
-        def ask(slot: int) -> None:
-            future = slots[slot].__anext__()
-            loop.call_soon_threadsafe(future.add_done_callback, lambda f, s=slot: done.put((s, f)))
-
-        for slot in range(args.streams):
-            start(slot)
-        while not stop.is_set():
-            try:
-                slot, future = done.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            error = future.exception()
-            if error is not None:
-                if not isinstance(error, StopAsyncIteration):
-                    print(f"request failed: {error!r}", file=sys.stderr)
-                stats["finished"] += 1
-                start(slot)
-                continue
-            chunk = future.result()
-            ids = chunk.get("token_ids") or ()
-            if ids:
-                now = time.perf_counter()
-                stats["tokens"] += len(ids)
-                stats["chunks"] += 1
-                gaps = stats["gaps"]
-                if gaps is not None and slot in last:
-                    gaps.append(now - last[slot])
-                last[slot] = now
-            ask(slot)
-
     async def main() -> Result:
         async with open_edge() as edge:
             config = EngineClientConfig(parse_endpoint(args.target), direct_receive=args.direct)
@@ -182,21 +190,20 @@ def child(args: argparse.Namespace) -> Result:
                 caps = Capabilities.from_discovery(info, await client.get_model_info(model))
                 server = RequestServer()
                 server.attach(ServingContext(client, caps, model, caps.max_context_length or 0, 5.0, 60.0))
-                stop = threading.Event()
                 async with trio.open_nursery() as nursery:
-                    generate = make_handler(edge, nursery, server.handle)
-                    thread = threading.Thread(target=reader, args=(edge.loop, generate, stop), daemon=True)
+                    reader = _Reader(edge.loop, make_handler(edge, nursery, server.handle), args)
+                    thread = threading.Thread(target=reader.run, daemon=True)
                     thread.start()
                     await trio.sleep(args.warmup)
-                    stats["gaps"] = []
+                    gaps: list[float] = []
+                    reader.gaps = gaps
                     t0, cpu0, mock0 = time.perf_counter(), _cpu_s(), _cpu_s(args.pid)
-                    tok0, ch0, fin0 = stats["tokens"], stats["chunks"], stats["finished"]
+                    tok0, ch0, fin0 = reader.tokens, reader.chunks, reader.finished
                     await trio.sleep(args.window)
                     t1, cpu1, mock1 = time.perf_counter(), _cpu_s(), _cpu_s(args.pid)
-                    tok1, ch1, fin1 = stats["tokens"], stats["chunks"], stats["finished"]
-                    gaps: list[float] = stats["gaps"]
-                    stats["gaps"] = None
-                    stop.set()
+                    tok1, ch1, fin1 = reader.tokens, reader.chunks, reader.finished
+                    reader.gaps = None
+                    reader.stop.set()
                     nursery.cancel_scope.cancel(reason="measurement window over")
                 await trio.to_thread.run_sync(thread.join, 5)
         tokens = tok1 - tok0

@@ -250,6 +250,37 @@ class ScriptedEngine(LoopSideGenerate):
             if not stream.finished:
                 self.stream_closed_early += 1
 
+    def start_generate(
+        self, request: pb.GenerateRequest, sink: Any, *, metadata: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        """The loop-side Generate: the script is played into ``sink``; a reset before its end is counted at once (the
+        engine sees the RST_STREAM when the path closes, not when the playing task gets round to unwinding)."""
+        self.opened.append(request)
+        self.metadata.append(tuple(metadata))
+        stream = _ScriptedStream(self.script, request.request_id)
+        scope = trio.CancelScope()
+
+        def reset() -> None:
+            if not stream.finished:
+                stream.finished = True
+                self.stream_closed_early += 1
+            scope.cancel()
+
+        sink.on_cancel = reset
+        trio.lowlevel.spawn_system_task(self._play_script, stream, sink, scope)
+
+    @staticmethod
+    async def _play_script(stream: _ScriptedStream, sink: Any, scope: trio.CancelScope) -> None:
+        with scope:
+            try:
+                async for batch in stream:
+                    sink.push(batch)
+            except Exception as exc:
+                stream.finished = True
+                sink.fail(exc)
+            else:
+                sink.end()
+
     async def abort(self, request_id: str, *, timeout_s: float | None = None) -> AbortResponse:
         # A real Abort is an RPC: its first await is where an unshielded, cancelled caller stops.
         await trio.lowlevel.checkpoint()
