@@ -24,8 +24,9 @@ Clients:
 * ``ours-nodetok`` — ``ours`` asking for ``extra.detokenize=false`` (``--detokenize-ab``: only these two, 64 streams):
   the mock's CPU per message with and without detokenizing, a proxy for what TensorRT-LLM saves;
 * ``path``       — the worker's whole request path minus Dynamo's binding: per stream an asyncio task iterates the
-  Dynamo handler (``sidecar.dynamo._handler.make_handler``, a stand-in ``Context``), whose pump runs
-  ``RequestServer.handle`` in trio over ``edge.trio_stream``, which reads ``generate`` (64-stream rows only;
+  Dynamo handler (``sidecar.dynamo._handler.make_handler``, a stand-in ``Context``), which runs
+  ``RequestServer.handle`` in trio, whose data path maps the engine stream into the outbox on the loop (64-stream
+  rows only;
   ``--path-only`` measures nothing else); it counts engine messages consumed, like the others;
 * ``path-h2repr`` — the same with hyperframe's own ``Frame.__repr__`` (``--repr-ab``): what the HTTP/2 layer's
   frame-repr tuning saves, toggled in one run (``ours`` and ``path`` apply every tuning, as the worker does);
@@ -310,7 +311,7 @@ def child_reference(args: argparse.Namespace) -> Result:
 class Mock:
     """``openengine-mock --speedup 0`` (or paced, ``decode_ms`` per step) as a subprocess, killed on exit."""
 
-    def __init__(self, cpu: int | None, max_tokens: int, decode_ms: float | None = None) -> None:
+    def __init__(self, cpu: int | None, max_tokens: int, decode_ms: float | None = None, interval: int = 1) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="bench-mock-")
         port_file = Path(self._tmp.name) / "port"
         timing = ["--speedup", "0"]
@@ -328,7 +329,7 @@ class Mock:
             str(port_file),
             *timing,
             "--stream-interval",
-            "1",
+            str(interval),
             "--max-context-length",
             str(max_tokens + 64),
             "--max-running-requests",

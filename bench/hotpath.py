@@ -10,19 +10,15 @@
   burst); process CPU (all threads) per callable, and wakeups per burst.
 * **wakeups, trio → edge loop**: the same with ``loop.call_soon_threadsafe`` each (what ``Link.to_loop`` does)
   against the same queue-and-drain scheme aimed at the loop (which uvloop makes a loss: it coalesces wakeups itself).
-* **next batch**: ``ActiveRequest.next_batch`` when the batch is already there (a new ``CancelScope`` with the
-  inactivity deadline per batch), against one scope whose deadline is moved per batch (the proposal; see
-  docs/performance.md for why the request task cannot hold one scope across its yields).
 
 Figures are the best of ``--rounds`` (A and B alternate within each round). They are CPU costs in isolation; what
-they add up to on the request path is ``python -m bench.client_throughput --path-only --paced-ms 2.5``.
+they add up to on the request path is ``python -m bench.datapath``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import resource
 import struct
 import threading
@@ -181,49 +177,6 @@ async def to_loop_us(edge: Any, bursts: int, batched: bool) -> tuple[float, floa
     return 1e6 * (cpu_s() - start) / (bursts * BURST), loop.posts / bursts
 
 
-# ------------------------------------------------------------------------------------------------ next batch
-
-
-class _ReadyStream:
-    """Always has the next batch, as the bridge's ``__anext__`` does when one is waiting (it checkpoints)."""
-
-    def __init__(self) -> None:
-        self.batch: list[Any] = [object()]
-
-    def __aiter__(self) -> _ReadyStream:
-        return self
-
-    async def __anext__(self) -> list[Any]:
-        await trio.lowlevel.checkpoint()
-        return self.batch
-
-
-async def next_batch_us(count: int) -> float:
-    """``ActiveRequest.next_batch``: a new ``CancelScope`` (with the inactivity deadline) per batch."""
-    from sidecar.requests import ActiveRequest
-    from statemachines import RequestLifecycle
-
-    active = ActiveRequest(RequestLifecycle("bench"))
-    stream = _ReadyStream()
-    start = time.perf_counter()
-    for _ in range(count):
-        await active.next_batch(stream, 30.0)
-    return 1e6 * (time.perf_counter() - start) / count
-
-
-async def moved_deadline_us(count: int) -> float:
-    """The proposal: one scope for the whole stream, its deadline moved per batch. Only possible where no ``yield``
-    happens inside the scope, which the request task's loop cannot offer (see docs/performance.md)."""
-    stream = _ReadyStream()
-    start = time.perf_counter()
-    with trio.CancelScope() as scope:
-        for _ in range(count):
-            scope.deadline = trio.current_time() + 30.0
-            await anext(stream)
-            scope.deadline = math.inf
-    return 1e6 * (time.perf_counter() - start) / count
-
-
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -233,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="A/B rounds; the best of each is reported [%(default)s]")
     args = parser.parse_args(argv)
     rounds, scale = (2, 0.2) if args.quick else (args.rounds, 1.0)
-    frames, bursts, batches = int(20000 * scale), int(200 * scale), int(100000 * scale)
+    frames, bursts = int(20000 * scale), int(200 * scale)
 
     from sidecar.edge import open_edge
     from sidecar.http2 import HYPERFRAME_REPR, cheap_frame_repr
@@ -261,10 +214,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{direction:<7} {BURST}-item bursts, CPU per item:  {a_us:6.2f} µs with a {what} each "
                       f"({a_posts:.0f} per burst), {b_us:6.2f} µs batched ({b_posts:.1f} per burst) "
                       f"({b_us / a_us - 1:+.0%})")  # fmt: skip
-            scoped = min([await next_batch_us(batches) for _ in range(rounds)])
-            moved = min([await moved_deadline_us(batches) for _ in range(rounds)])
-            print(f"next batch, batch already there:         {scoped:6.2f} µs with a CancelScope per batch, "
-                  f"{moved:6.2f} µs with one scope's deadline moved ({moved / scoped - 1:+.0%})")  # fmt: skip
 
     trio.run(bridge)
     return 0

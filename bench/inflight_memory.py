@@ -6,8 +6,9 @@
 
 The path of one request is the worker's, minus the Dynamo binding: an asyncio task on the edge loop iterates the
 Dynamo handler (``sidecar.dynamo._handler.make_handler``, with a stand-in for Dynamo's ``Context``), which runs
-``RequestServer.handle`` as a trio task feeding its outbox (``edge.trio_feed``); that task opens the ``Generate``
-stream through ``EngineClient`` (``edge.open_feed``, received by ``sidecar.engine._direct`` on grpclib's connection).
+``RequestServer.handle`` as a trio task; that task opens the request's data path on the edge loop
+(``sidecar.datapath``), which starts the ``Generate`` stream (``EngineClient.start_generate``, received by
+``sidecar.engine._direct`` on grpclib's connection) and maps it into the outbox there.
 The mock decodes slowly (``--decode-ms-per-token``, 100 ms by
 default), so every request stays open once it has its first token.
 

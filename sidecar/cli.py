@@ -89,6 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         engine,
+        "--grpc-receive",
+        "DYN_SIDECAR_GRPC_RECEIVE",
+        "how Generate streams are received: direct = straight from the HTTP/2 events (no grpclib stream or task per "
+        "message: about a third less CPU per engine message, docs/architecture.md); grpclib = through grpclib's "
+        "streams",
+        default="direct",
+        choices=("direct", "grpclib"),
+    )
+    add(
+        engine,
         "--grpc-connect-attempt-timeout-secs",
         "DYN_SIDECAR_GRPC_CONNECT_ATTEMPT_TIMEOUT_SECS",
         "bound on one connection attempt",
@@ -590,6 +600,7 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         if ns.total_kv_blocks is None
         else int(_number(ns, "total_kv_blocks", "--total-kv-blocks", int)),
         dynamo_system_port=dynamo_system_port,
+        grpc_receive=ns.grpc_receive,
     )
 
 

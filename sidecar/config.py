@@ -77,6 +77,8 @@ class SidecarConfig:
     total_kv_blocks: int | None = None
     #: The port of Dynamo's own system server behind the sidecar's system port; 0: the OS picks when Dynamo binds.
     dynamo_system_port: int = 0
+    #: How ``Generate`` streams are received: straight from the HTTP/2 events, or through grpclib's streams.
+    grpc_receive: Literal["direct", "grpclib"] = "direct"
 
 
 class ConfigError(ValueError):

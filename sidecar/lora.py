@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -37,7 +38,7 @@ from sidecar.ops import metrics
 from statemachines import LORA, LoraLifecycle
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Mapping
+    from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
     from sidecar.engine import EngineClient
     from statemachines import LoraEvent, LoraState
@@ -192,11 +193,10 @@ class LoraManager:
             _body("load_lora", body)
             name = self._check_name(name)
             source = await self._local_source(body)
-            answer: dict[str, Any] = {}
-            with trio.CancelScope(shield=True):
-                async with self._lock:
-                    answer = await self._load(name, source)
-            return answer
+            answer: dict[str, Any] | None = None
+            async with self._turn():
+                answer = await self._load(name, source)
+            return self._finished(answer, f"load_lora {name!r}")
         except LoraRefused as exc:
             metrics.LORA_OPERATIONS.labels(operation="load", outcome=exc.code.value).inc()
             return _error(exc, name)
@@ -208,11 +208,10 @@ class LoraManager:
             _body("unload_lora", body)
             if not isinstance(name, str) or not name:
                 raise LoraRefused(LoraErrorCode.INVALID_ARGUMENT, "unload_lora: lora_name is required")
-            answer: dict[str, Any] = {}
-            with trio.CancelScope(shield=True):
-                async with self._lock:
-                    answer = await self._unload(name)
-            return answer
+            answer: dict[str, Any] | None = None
+            async with self._turn():
+                answer = await self._unload(name)
+            return self._finished(answer, f"unload_lora {name!r}")
         except LoraRefused as exc:
             metrics.LORA_OPERATIONS.labels(operation="unload", outcome=exc.code.value).inc()
             return _error(exc, name)
@@ -225,30 +224,36 @@ class LoraManager:
         Called at start-up (after the base card is registered) and after an engine reconnect. An engine without the
         LoRA RPCs (UNIMPLEMENTED) has nothing to sync.
         """
-        with trio.CancelScope(shield=True):
-            async with self._lock:
-                try:
-                    held = {a.lora_name: a for a in (await self._client.list_loras()).adapters}
-                except EngineRpcError as exc:
-                    if exc.code is GrpcCode.UNIMPLEMENTED and engine_restarted:
-                        # The engine came back without LoRA support: nothing routed to an adapter can be served.
-                        for adapter in list(self._adapters.values()):
-                            del self._adapters[adapter.life.name]
-                            await self._forget_card(adapter.life.name)
-                            adapter.life.fire("fail", reason="the restarted engine does not implement LoRA")
-                    elif exc.code is not GrpcCode.UNIMPLEMENTED:
-                        log.warning("LoRA: cannot list the engine's adapters (%s); nothing adopted or reloaded", exc)
-                    return
-                for name, adapter in list(self._adapters.items()):
-                    if adapter.life.state != "serving":
-                        continue
-                    if name in held:
-                        continue
-                    if engine_restarted:
-                        await self._reload(adapter)
-                for name, engine_adapter in held.items():
-                    if name not in self._adapters:
-                        await self._adopt(name, engine_adapter.lora_id, engine_adapter.source_path)
+        steps = 1 + len(self._adapters)
+        async with self._turn(steps) as turn:
+            await self._sync(engine_restarted)
+        if turn.cancelled_caught:
+            log.warning("LoRA: syncing with the engine took longer than %gs; left as it stood", self._bound(steps))
+
+    async def _sync(self, engine_restarted: bool) -> None:
+        """What :meth:`sync` does, in its turn."""
+        try:
+            held = {a.lora_name: a for a in (await self._client.list_loras()).adapters}
+        except EngineRpcError as exc:
+            if exc.code is GrpcCode.UNIMPLEMENTED and engine_restarted:
+                # The engine came back without LoRA support: nothing routed to an adapter can be served.
+                for adapter in list(self._adapters.values()):
+                    del self._adapters[adapter.life.name]
+                    await self._forget_card(adapter.life.name)
+                    adapter.life.fire("fail", reason="the restarted engine does not implement LoRA")
+            elif exc.code is not GrpcCode.UNIMPLEMENTED:
+                log.warning("LoRA: cannot list the engine's adapters (%s); nothing adopted or reloaded", exc)
+            return
+        for name, adapter in list(self._adapters.items()):
+            if adapter.life.state != "serving":
+                continue
+            if name in held:
+                continue
+            if engine_restarted:
+                await self._reload(adapter)
+        for name, engine_adapter in held.items():
+            if name not in self._adapters:
+                await self._adopt(name, engine_adapter.lora_id, engine_adapter.source_path)
 
     def detach_all(self, reason: str) -> None:
         """The worker is shutting down: refuse new operations; the runtime takes the cards with it."""
@@ -256,6 +261,28 @@ class LoraManager:
         for adapter in self._adapters.values():
             adapter.life.fire("detach", reason=reason)
         self._adapters.clear()
+
+    # ------------------------------------------------------------------ one operation at a time
+
+    @asynccontextmanager
+    async def _turn(self, steps: int = 1) -> AsyncIterator[trio.CancelScope]:
+        """One operation at a time. Waiting for the turn is cancellable: a drain (or a caller that gave up) leaves
+        the queue behind a slow load at once. The operation itself, once it runs, is shielded -- so it is never left
+        half done (an adapter loaded without its card, a card without its adapter) -- and bounded: each step has a
+        deadline of its own, the whole at most ``steps`` times the longest load with its card and undo
+        (:meth:`_bound`); the scope yielded tells whether that bound cut it short."""
+        async with self._lock:
+            with trio.CancelScope(shield=True), trio.move_on_after(self._bound(steps)) as bound:
+                yield bound
+
+    def _bound(self, steps: int) -> float:
+        # A load's worst case: LoadLora times out, the undo's UnloadLora too, the card and its removal time out.
+        return steps * (2 * self._settings.load_timeout_s + 2 * _CARD_TIMEOUT_S)
+
+    def _finished(self, answer: dict[str, Any] | None, what: str) -> dict[str, Any]:
+        if answer is None:  # the bound of _turn ran out (every step has its own deadline: not seen in practice)
+            raise LoraRefused(LoraErrorCode.UNAVAILABLE, f"{what} did not finish within {self._bound(1):g}s")
+        return answer
 
     # ------------------------------------------------------------------ steps
 

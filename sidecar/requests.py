@@ -1,33 +1,44 @@
-"""One trio task per request: request machine, engine stream, cancellation, abort.
+"""One trio task per request: its lifecycle (the request machine), its engine stream, cancellation, abort.
 
-The Dynamo adapter runs :meth:`RequestServer.handle` (a trio async generator) for every request Dynamo hands the
-worker, inside the worker's request nursery. The shape that guarantees exactly one terminal state per request:
+The Dynamo adapter runs :meth:`RequestServer.handle` for every request Dynamo hands the worker, as a task of the
+worker's request nursery. The request's tokens never pass through this task: they flow from the engine stream to
+Dynamo's outbox on the edge loop (``sidecar.datapath``). This task owns everything that decides, as an
+:class:`ActiveRequest` whose phases are the states of its machine (``statemachines/request.py``)::
+
+    received                    open:   admission, conversion (or reject), submit; the data path starts the stream
+    submitted / decoding /      stream: one event from the data path at a time -- the engine's first response
+    streaming / cancel_deferred /       (first_token), the client's stop (cancel, or defer on a decode leg, or close
+    prefill_ready                       after a chunk that may have completed the answer), the engine's silence
+                                        (HungEngine), the end of the engine stream (finish, or the error)
+    stopping                    hold:   after the frontend closed the stream, wait (at most one hold) for the engine's
+                                        next event: its terminal means a complete answer (finish, no Abort),
+                                        anything else a stop (cancel, Abort)
+    a terminal state            finish: metrics, the outcome to the outbox (the final chunks or the error), the
+                                        Abort (shielded, time-bounded) while the engine holds the request, one line
+
+The guarantees, each tested in ``tests/test_requests.py`` and ``tests/disagg/test_deferral.py``:
 
 * validation and conversion before any RPC (``reject`` → HTTP 400, the engine never hears of the request);
-* ``submit`` when the Generate stream is opened; from then on every exit that is not the engine's own end sends
-  ``Control.Abort(request_id)`` — shielded and time-bounded — besides cancelling the stream (RST_STREAM);
+* exactly one terminal state per request; from ``submit`` on, every exit that is not the engine's own end sends
+  ``Control.Abort(request_id)`` -- shielded and time-bounded -- besides resetting the stream (RST_STREAM);
 * the final chunk is held until the engine closes the stream, so an event after the terminal still fails the
   request instead of slipping out after a success;
 * the chunk with an output's last token carries its ``finish_reason`` and usage: a chunk ending with a token the
-  engine's terminal follows (EOS / stop token id, the ``max_tokens``-th token) waits, bounded, for the next engine
-  event and the ``finished`` joins it. The frontend ends the stream at EOS, stop tokens and stop strings itself and
-  drops what follows; when it closes the stream after a chunk that may have completed the answer, the engine's next
-  event decides (read shielded, bounded): its terminal means a complete answer (``finished``, no Abort), anything
-  else a stop (``cancelled``, Abort);
+  engine's terminal follows waits, bounded, for it (``sidecar.datapath``). The frontend ends the stream at EOS, stop
+  tokens and stop strings itself; when it closes the stream after a chunk that may have completed the answer, the
+  engine's next event decides;
 * tokens the engine sent before a terminal ``EngineError`` reach the client before the error;
 * one INFO line per request at its end (id, outcome, reason, tokens in/out, TTFT, duration); expected failures are
   that one line, at WARNING, never a traceback;
-* a stop from the frontend cancels the task from outside (``cancel``); the worker cancels a request's own scope with
-  a reason (drain deadline, engine lost), which becomes the matching migratable error.
+* the worker ends a request with :meth:`ActiveRequest.cancel` and a reason (drain deadline, engine lost), which
+  becomes the matching migratable error.
 
 Disaggregated legs (``docs/disaggregation.md``): the worker's role decides the leg (``convert`` maps it). A prefill
-leg's ``PrefillReady`` moves the request to ``prefill_ready`` and its handoff chunk is the final one. A decode leg
-carrying a handoff (``submit_decode``) **defers a client stop until the engine's first response** -- the KV transfer
-has landed then, so the prefill engine's blocks are not stranded: the stream is opened and its first batch awaited
-under a shield, while a watcher task outside the shield turns the client's stop into ``defer`` (``cancel_deferred``);
-the stop is delivered right after the first batch (``first_token`` → ``cancelled``, then ``Abort``). The worker's own
-cancellation (drain deadline, engine lost) reaches the shielded wait through the request's own scope and is never
-deferred; the inactivity timeout still bounds the wait.
+leg's ``PrefillReady`` is its final chunk (``handoff`` → ``prefill_ready`` → ``finished``). A decode leg carrying a
+handoff (``submit_decode``) **defers a client stop until the engine's first response** -- the KV transfer has landed
+then, so the prefill engine's blocks are not stranded: the stop is recorded as ``defer`` and takes effect at the
+first response (``first_token`` → ``cancelled``, then ``Abort``). The worker's own cancellation (drain deadline,
+engine lost) is never deferred; the inactivity timeout still bounds the wait.
 
 An inactivity timeout while no request got anything from the engine for as long means the engine is not producing:
 ``RequestServer.on_stall`` (the worker's withdrawal) runs before the error reaches the frontend, so the frontend's
@@ -38,19 +49,27 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import trio
 
-from openengine.v1 import generation_pb2
 from openengine_bp.openengine.v1 import HealthState
 from sidecar.convert import HEALTH_CANARY_PAYLOAD, build_generate_request
 from sidecar.convert.enums import bp_enum
 from sidecar.convert.request import role_of_engine
-from sidecar.engine import StreamIdle
+from sidecar.datapath import (
+    ENDED,
+    FIRST,
+    IDLE,
+    STOP_STRING,
+    STOPPED,
+    TERMINAL_HOLD_S,
+    VERDICT,
+    DataPath,
+    DataPaths,
+)
 from sidecar.errors import (
     EngineFailure,
     EngineGone,
@@ -65,32 +84,23 @@ from sidecar.ops import logs, metrics
 from statemachines import RequestLifecycle
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable
-    from contextlib import AbstractAsyncContextManager
+    from statemachines.request import RequestEvent
 
-    from sidecar.convert import Capabilities, GenerateCall, ResponseMapper
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from sidecar.convert import Capabilities, ResponseMapper
     from sidecar.convert.request import Role
-    from sidecar.dynamo import RequestContext
+    from sidecar.dynamo import ChunkSink, RequestContext
+    from sidecar.edge import Edge
     from sidecar.engine import EngineClient
 
 log: Final = logging.getLogger("sidecar.requests")
 
-# After the terminal event the engine closes the stream at once (TensorRT-LLM does); one that does not is
-# tolerated, but not waited for longer than this.
-_EOF_GRACE_S: Final = 2.0
-# How long a chunk ending with a token the engine's terminal follows (EOS / stop token id, the max_tokens-th token)
-# waits for that terminal, and how long a close from the frontend after such a chunk waits to see it. The engine sends
-# its terminal with the last token (the same engine step); a gap is transport framing, far below one inter-token
-# interval. While the engine keeps generating, its next token ends the wait sooner; only an engine that stalls right
-# after such a token costs the whole bound.
-_TERMINAL_HOLD_S: Final = 0.25
 # How long a request arriving while the engine is being rediscovered waits for the new serving context.
 _PAUSE_WAIT_S: Final = 10.0
 # Bound on the worker's withdrawal when a request finds the engine not producing.
 _STALL_REPORT_S: Final = 5.0
-
-
-_Batch = list[generation_pb2.GenerateResponse]
 
 
 class HungEngine(EngineGone):
@@ -120,98 +130,315 @@ class ServingContext:
         return self.role if self.role is not None else role_of_engine(self.caps.engine_role)
 
 
-@dataclass(slots=True, eq=False)
 class ActiveRequest:
     """A request between its arrival and its terminal state; the worker ends it early with :meth:`cancel`.
 
-    The request task never holds a cancel scope across a ``yield`` (the consumer's code would run inside it), so a
-    worker cancellation interrupts only the task's awaits on the engine: ``waiting`` is the scope of the await in
-    progress, and the next await after a ``yield`` checks ``worker_error`` first.
-
-    It also holds the request's engine stream between :meth:`open_stream` and :meth:`close_stream` (one slot where
-    an ``AsyncExitStack`` used to be: the stream is opened under a shield on a decode leg, but always closed by the
-    request task's own ``try``).
+    :meth:`run` drives it phase by phase, each phase the method its machine state names (:data:`_PHASES`); the data
+    path's events arrive through :meth:`on_path_event` (posted from the edge loop) and are taken one at a time.
     """
 
-    lifecycle: RequestLifecycle
-    #: Prompt tokens, and the response mapper once the request is sent (its completion count): the load estimate.
-    prompt_tokens: int = 0
-    mapper: ResponseMapper | None = None
-    waiting: trio.CancelScope | None = None
-    # Set when the worker ends the request; it is what the client is told (a migratable error).
-    worker_error: SidecarError | None = None
-    _stream: AbstractAsyncContextManager[Any] | None = field(default=None, repr=False)
-    # The inactivity timeout the engine stream watches itself (watch_idle), and the stream while waited on without
-    # a cancel scope: see next_batch.
-    _idle_s: float | None = field(default=None, repr=False)
-    _parked: Any = field(default=None, repr=False)
+    __slots__ = ("_end", "_error", "_events", "_holds_engine", "_outbox", "_outcome", "_path", "_request", "_result",
+                 "_server", "_serving", "_stats", "_wake", "ctx", "lifecycle", "mapper", "prompt_tokens",
+                 "worker_error")  # fmt: skip
+
+    def __init__(
+        self,
+        server: RequestServer,
+        serving: ServingContext,
+        request: dict[str, Any],
+        ctx: RequestContext,
+        outbox: ChunkSink,
+    ) -> None:
+        self._server = server
+        self._serving = serving
+        self._request = request
+        self._outbox = outbox
+        self.ctx = ctx
+        self.lifecycle = RequestLifecycle(ctx.request_id)
+        #: Prompt tokens, and the response mapper once the request is sent (its completion count): the load estimate.
+        self.prompt_tokens = 0
+        self.mapper: ResponseMapper | None = None
+        #: Set when the worker ends the request; it is what the client is told (a migratable error).
+        self.worker_error: SidecarError | None = None
+        self._path: DataPath | None = None
+        self._events: list[tuple[str, Any]] = []
+        self._wake: trio.Event | None = None
+        self._end = _RequestEnd(ctx.request_id, len(request.get("token_ids") or ()))
+        self._stats: metrics.RequestStats | None = None
+        # How the request ends: the outcome's name, what the outbox gets (the final chunks, an error, or None after
+        # a client stop), the error that ended it (for the RPC code), and whether the engine still holds it (Abort).
+        self._outcome = "failed"
+        self._result: list[dict[str, Any]] | BaseException | None = None
+        self._error: BaseException | None = None
+        self._holds_engine = False
+
+    # ---------------------------------------------------------------------------------------------- the worker's side
 
     def cancel(self, error: SidecarError) -> None:
         """End the request from the worker's side (drain deadline, engine lost) with ``error`` for the client."""
         if self.worker_error is None:
             self.worker_error = error
-        if self.waiting is not None:
-            self.waiting.cancel(reason=error.message)
-        elif self._parked is not None:
-            self._parked.interrupt(self.worker_error)
+        self._wake_up()
 
-    async def open_stream(
-        self, client: EngineClient, call: GenerateCall, idle_timeout_s: float | None = None
-    ) -> AsyncIterator[_Batch]:
-        """Open the request's ``Generate`` stream (closed by :meth:`close_stream`) and return its batches.
+    def on_path_event(self, kind: str, value: Any) -> None:
+        """trio thread (posted by the data path on the edge loop): one of ``sidecar.datapath``'s events."""
+        self._events.append((kind, value))
+        self._wake_up()
 
-        With ``idle_timeout_s``, a stream that can watch its own silence (``BatchIterator.watch_idle``) is asked to:
-        waits of that length then need no cancel scope (:meth:`next_batch`).
-        """
-        stream = client.generate(call.request, metadata=call.metadata)
-        batches = await stream.__aenter__()
-        self._stream = stream
-        watch = getattr(batches, "watch_idle", None)
-        if idle_timeout_s is not None and watch is not None:
-            watch(idle_timeout_s)
-            self._idle_s = idle_timeout_s
-        return aiter(batches)
+    def _wake_up(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+            self._wake = None
 
-    async def close_stream(self, error: BaseException | None) -> None:
-        """Leave the engine stream as ``async with`` would, ``error`` being what ends the block (None: none)."""
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            if error is None:
-                await stream.__aexit__(None, None, None)
-            else:
-                await stream.__aexit__(type(error), error, error.__traceback__)
+    async def _next_event(self) -> tuple[str, Any]:
+        """The next event of the data path; the worker's cancellation comes first (raised as its error)."""
+        while True:
+            if self.worker_error is not None:
+                raise self.worker_error
+            if self._events:
+                return self._events.pop(0)
+            wake = self._wake = trio.Event()
+            await wake.wait()
 
-    async def next_batch(self, stream: AsyncIterator[_Batch], timeout_s: float) -> _Batch | None:
-        """The next batch from the engine, None at the end of the stream; raises on worker cancel or hang."""
-        if self.worker_error is not None:
-            raise self.worker_error
-        if timeout_s == self._idle_s:
-            # The common wait, once per engine batch: the stream times its own silence (StreamIdle) and the worker's
-            # cancel interrupts the wait (cancel), so no cancel scope is made per batch (~5 µs and ~0.6 KiB while
-            # parked; docs/performance.md).
-            self._parked = stream
-            try:
-                return await anext(stream)
-            except StopAsyncIteration:
-                return None
-            except StreamIdle:
-                pass
-            finally:
-                self._parked = None
+    # ---------------------------------------------------------------------------------------------- the phases
+
+    async def run(self) -> None:
+        """Serve the request to its terminal state, then finish it (never raises but for trio's own cancellation)."""
+        try:
+            while (phase := _PHASES.get(self.lifecycle.state)) is not None:
+                await phase(self)
+        except trio.Cancelled:
+            # Cancelled from outside (worker teardown): the request goes elsewhere.
+            self._ended("cancel", "cancelled", WorkerDraining("request ended by worker shutdown"), "worker shutdown")
+            raise
+        except Exception as exc:
+            self._failed(exc)
+        finally:
+            await self._finish()  # its one await, the Abort, is shielded and time-bounded
+
+    async def _open(self) -> None:
+        """``received``: convert the request (or reject it: HTTP 400 before any RPC), submit it, start the stream."""
+        serving, ctx, lifecycle, end = self._serving, self.ctx, self.lifecycle, self._end
+        logs.REQUEST_ID.set(ctx.request_id)  # every log line of this request's task names it
+        metrics.REQUESTS_RECEIVED.inc()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s: %s", ctx.request_id, request_shape(self._request))
+        try:
+            call = build_generate_request(
+                self._request,
+                request_id=ctx.request_id,
+                model=serving.model,
+                caps=serving.caps,
+                context_length=serving.context_length,
+                trace=dict(ctx.trace_headers),
+                role=serving.worker_role,
+                engine_detokenize=serving.engine_detokenize,
+            )
+            self._server._admit(self)
+        except RequestRejected as exc:
+            self._ended("reject", "rejected", exc, str(exc))
+            return
+        mapper = self.mapper = call.response_mapper(eos_token_ids=_eos_token_ids(self._request))
+        self.prompt_tokens = call.prompt_tokens
+        self._stats = end.stats = metrics.RequestStats(end.input_tokens)
+        edge = serving.client.edge
+        path = self._path = DataPath(
+            self._server._paths_on(edge),
+            self._outbox,
+            mapper,
+            edge.to_trio,
+            self.on_path_event,
+            idle_timeout_s=serving.inactivity_timeout_s,
+            stop_texts=bool(call.stop_texts),
+            sent=end.sent,
+        )
+        self._holds_engine = True
+        lifecycle.fire("submit_decode" if call.handoff else "submit")
+        if not edge.to_loop(path.open, serving.client, call.request, call.metadata):
+            raise EngineRpcError("Generate", GrpcCode.UNAVAILABLE, "the edge loop is gone")
+
+    async def _follow(self) -> None:
+        """A live state: take the data path's next event and act on it."""
+        kind, value = await self._next_event()
+        await _ON_EVENT[kind](self, value)
+
+    async def _hold(self) -> None:
+        """``stopping``: the frontend closed the stream after a chunk that may have completed the answer. The engine's
+        next event decides, waited for one hold at most: its terminal means a complete answer (``finish``, nothing
+        to abort), anything else -- more tokens, an error, silence -- that the client stopped it (``cancel``)."""
+        complete = False
+        with trio.move_on_after(TERMINAL_HOLD_S):
+            while True:
+                kind, value = await self._next_event()
+                if kind == VERDICT:
+                    complete = value
+                    break
+                if kind == ENDED:
+                    self._note_error_after_stop(value[0])
+                    break
+                if kind == IDLE:
+                    break
+        if complete:
+            self._ended_downstream()
         else:
-            with trio.CancelScope(deadline=trio.current_time() + timeout_s) as scope:
-                self.waiting = scope
-                try:
-                    return await anext(stream)
-                except StopAsyncIteration:
-                    return None
-                except StreamIdle:
-                    pass  # the stream's own watch: silent for the whole inactivity timeout, even longer than this
-                finally:
-                    self.waiting = None
-        if self.worker_error is not None:
-            raise self.worker_error
-        raise HungEngine(f"engine sent nothing for {timeout_s:g}s (request {self.lifecycle.request_id})")
+            self._stopped_by_client()
+
+    async def _finish(self) -> None:
+        """A terminal state: count it, hand the outcome to the outbox, Abort what the engine still holds, log it."""
+        self.lifecycle.fire("cancel", reason="request task ended")  # a no-op once terminal
+        metrics.REQUESTS_ENDED.labels(outcome=self._outcome).inc()
+        if self._stats is not None:
+            code = "CANCELLED" if self._outcome == "cancelled" else metrics.rpc_code(self._error)
+            self._stats.end(code=code)
+        edge = self._serving.client.edge
+        if self._path is not None:
+            edge.to_loop(self._path.close, self._result)
+        elif isinstance(self._result, BaseException):
+            edge.to_loop(self._outbox.fail, self._result)
+        if self._holds_engine:
+            await _abort(self._serving, self.ctx.request_id)
+        self._end.log(self._outcome)
+        self._server._forget(self)
+
+    # ---------------------------------------------------------------------------------------------- the events
+
+    async def _on_first(self, terminal: bool) -> None:
+        """The engine's first response (the KV transfer of a decode leg has landed)."""
+        state = self.lifecycle.state
+        if state == "cancel_deferred":
+            self.lifecycle.fire("first_token", reason="KV transfer landed: the deferred client stop takes effect")
+            self._stopped_by_client()
+        elif not terminal and state in ("submitted", "decoding"):
+            self.lifecycle.fire("first_token")
+
+    async def _on_stopped(self, value: tuple[bool, bool | None]) -> None:
+        """Dynamo stopped reading: the client left, or the frontend ended the stream itself."""
+        may_be_complete, complete_now = value
+        state = self.lifecycle.state
+        if state == "decoding":
+            self.lifecycle.fire(
+                "defer", reason="client stopped while the KV cache was in flight; deferred until the first token"
+            )
+            log.info("request %s: client stop deferred until the KV transfer lands", self.ctx.request_id)
+        elif may_be_complete and state == "streaming" and complete_now is None:
+            self.lifecycle.fire("close", reason="the frontend closed the stream after a chunk that may end the answer")
+        elif may_be_complete and state == "streaming" and complete_now:
+            self._ended_downstream()
+        else:
+            self._stopped_by_client()
+
+    async def _on_idle(self, silent_s: float) -> None:
+        """Nothing from the engine for the inactivity timeout."""
+        serving = self._serving
+        error = HungEngine(f"engine sent nothing for {serving.inactivity_timeout_s:g}s (request {self.ctx.request_id})")
+        await self._server._report_stall(serving, silent_s, error)
+        raise error
+
+    async def _on_stop_string(self, stop: str) -> None:
+        """The answer ends at a stop string the frontend matches in the engine's text (inside a token, say), and the
+        engine goes on: it is aborted, and its terminal closes the answer (``stop``, with the engine's usage)."""
+        self._end.reason = f"stop string {stop!r}, matched by the frontend; the engine went on and was aborted"
+        await _abort(self._serving, self.ctx.request_id)
+
+    async def _on_ended(self, value: tuple[BaseException | None, bool]) -> None:
+        """The engine stream is over: complete (its final chunks wait in the path), or failed."""
+        error, lingered = value
+        if error is not None:
+            raise error
+        assert self.mapper is not None
+        assert self._path is not None
+        if lingered:
+            log.warning("request %s: engine kept the stream open after its terminal", self.ctx.request_id)
+        if self.mapper.handed_off:
+            self.lifecycle.fire("handoff")
+        final = self._path.final
+        if not self._end.reason:
+            self._end.finished(final)
+        self._end.sent(final)
+        self._holds_engine = False  # the stream ended on its own: the engine no longer holds the request
+        self.lifecycle.fire("finish")
+        self._outcome, self._result = "finished", final
+
+    async def _ignore(self, value: object) -> None:
+        """An event with nothing to do in this state (a verdict nobody waits for)."""
+
+    # ---------------------------------------------------------------------------------------------- endings
+
+    def _ended(self, event: RequestEvent, outcome: str, result: BaseException | None, reason: str) -> None:
+        self.lifecycle.fire(event, reason=reason)
+        self._outcome, self._result, self._error = outcome, result, result
+        self._end.reason = self._end.reason or reason
+
+    def _stopped_by_client(self) -> None:
+        if self.mapper is not None and self.mapper.handed_off:
+            log.warning(
+                "request %s: stopped before its prefill handoff was delivered; the prefill engine holds that KV "
+                "session until it expires",
+                self.ctx.request_id,
+            )
+        self._ended("cancel", "cancelled", None, "stopped by the client")
+
+    def _ended_downstream(self) -> None:
+        # The frontend ended the stream at the answer's last token (EOS, stop token or string) and the engine's
+        # terminal followed: a complete answer, nothing to abort.
+        self._holds_engine = False
+        self.lifecycle.fire("finish", reason="the frontend ended the stream at the answer's last token")
+        self._outcome, self._result = "finished", None
+        self._end.reason = "ended by the frontend at the answer's last token"
+
+    def _note_error_after_stop(self, error: BaseException | None) -> None:
+        # After the client left, an engine error or a breach only means the answer was not complete; a bug in the
+        # mapping is still a bug, and says so.
+        if error is not None and not isinstance(error, SidecarError):
+            log.error("request %s: mapping the engine's events after the stop failed", self.ctx.request_id,
+                      exc_info=error)  # fmt: skip
+
+    def _failed(self, exc: Exception) -> None:
+        """Classify what ended the request (the one boundary between an exception and the request's outcome)."""
+        if exc is self.worker_error:
+            # Ended by the worker (drain deadline, engine lost): cancelled, and the client migrates.
+            self._ended("cancel", "cancelled", exc, str(exc))
+            return
+        level = logging.WARNING
+        reason = str(exc)
+        if isinstance(exc, ProtocolViolation):
+            metrics.PROTOCOL_VIOLATIONS.labels(violation=exc.violation.value).inc()
+            level = logging.ERROR
+        elif isinstance(exc, EngineRpcError | EngineFailure):
+            # An engine that broke off the stream, refused the request or ended it with a terminal error no longer
+            # holds it: nothing to abort.
+            self._holds_engine = False
+            if isinstance(exc, EngineRpcError) and exc.code is GrpcCode.UNAVAILABLE:
+                self._server.engine_trouble.set()
+                self._server.connection_lost.set()
+        elif not isinstance(exc, SidecarError):
+            reason = f"{type(exc).__name__}: {exc}"
+            level = logging.ERROR
+            log.error("request %s failed", self.ctx.request_id, exc_info=exc)
+        self._ended("fail", "failed", exc, reason)
+        self._end.failed(reason, level)
+
+
+#: The phase each non-terminal state runs (a terminal state ends :meth:`ActiveRequest.run`).
+_PHASES: Final[dict[str, Callable[[ActiveRequest], Awaitable[None]]]] = {
+    "received": ActiveRequest._open,
+    "submitted": ActiveRequest._follow,
+    "decoding": ActiveRequest._follow,
+    "cancel_deferred": ActiveRequest._follow,
+    "streaming": ActiveRequest._follow,
+    "prefill_ready": ActiveRequest._follow,
+    "stopping": ActiveRequest._hold,
+}
+
+#: What the stream phase does with each event of the data path.
+_ON_EVENT: Final[dict[str, Callable[[ActiveRequest, Any], Awaitable[None]]]] = {
+    FIRST: ActiveRequest._on_first,
+    STOPPED: ActiveRequest._on_stopped,
+    IDLE: ActiveRequest._on_idle,
+    STOP_STRING: ActiveRequest._on_stop_string,
+    ENDED: ActiveRequest._on_ended,
+    VERDICT: ActiveRequest._ignore,
+}
 
 
 class RequestServer:
@@ -228,22 +455,24 @@ class RequestServer:
         #: Set when a request lost its stream to a transport failure: whatever answers next may be another engine
         #: (a quick restart), so the worker checks its identity. The worker replaces it after each look.
         self.connection_lost = trio.Event()
-        #: Batches delivered from the engine so far: lets the health watch tell a busy engine (Health slow, tokens
-        #: flowing) from a lost one.
-        self.progress = 0
-        #: When any request last got a batch from the engine: an inactivity timeout with nothing received by anyone
-        #: for as long means the engine is not producing (see :meth:`_report_stall`).
-        self._last_batch_at = -float("inf")
         #: Called (awaited, bounded) when a request's inactivity timeout finds the engine not producing, before
         #: the error goes to the frontend: the worker withdraws from routing there.
         self.on_stall: Callable[[str], Awaitable[None]] | None = None
         # pause(): new requests wait for the next attach() instead of being sent elsewhere.
         self._paused = False
         self._resumed = trio.Event()
+        # What the data paths share on the edge loop (the idle sweep, the progress counters); made on first use.
+        self._paths: DataPaths | None = None
 
     @property
     def serving(self) -> ServingContext | None:
         return self._serving
+
+    @property
+    def progress(self) -> int:
+        """Batches received from the engine so far: lets the health watch tell a busy engine (Health slow, tokens
+        flowing) from a lost one."""
+        return self._paths.progress if self._paths is not None else 0
 
     def attach(self, serving: ServingContext | None) -> None:
         """Start (or, with None, stop) serving: without a context new requests get a migratable error."""
@@ -261,9 +490,6 @@ class RequestServer:
     @property
     def in_flight(self) -> int:
         return len(self._active)
-
-    def active_requests(self) -> list[ActiveRequest]:
-        return list(self._active.values())
 
     def tokens_in_flight(self) -> list[int]:
         """Prompt + generated tokens of each request in flight (the load estimate for an engine without KV usage)."""
@@ -283,8 +509,12 @@ class RequestServer:
             request.cancel(error)
         return len(active)
 
-    async def handle(self, request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[list[dict[str, Any]]]:
-        """The trio request handler given to the Dynamo adapter: yields batches of ``LLMEngineOutput`` chunks."""
+    async def handle(self, request: dict[str, Any], ctx: RequestContext, outbox: ChunkSink) -> None:
+        """The trio request handler given to the Dynamo adapter: serve one request into ``outbox``.
+
+        Raises only :class:`WorkerDraining` when the worker is not serving (nothing was started: the adapter fails the
+        outbox with it, and the frontend sends the request elsewhere); every other ending is the request's own.
+        """
         serving = self._serving
         if serving is None and self._paused:
             # The engine is being rediscovered (a restart was noticed): admit the request under the new context.
@@ -293,217 +523,31 @@ class RequestServer:
             serving = self._serving
         if serving is None:
             raise WorkerDraining("worker is not serving (starting, degraded or draining); retry on another worker")
-        lifecycle = RequestLifecycle(ctx.request_id)
-        logs.REQUEST_ID.set(ctx.request_id)  # every log line of this request's task names it
-        metrics.REQUESTS_RECEIVED.inc()
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("request %s: %s", ctx.request_id, request_shape(request))
-        end = _RequestEnd(ctx.request_id, len(request.get("token_ids") or ()))
-        try:
-            trace = dict(ctx.trace_headers)
-            call = build_generate_request(
-                request,
-                request_id=ctx.request_id,
-                model=serving.model,
-                caps=serving.caps,
-                context_length=serving.context_length,
-                trace=trace,
-                role=serving.worker_role,
-                engine_detokenize=serving.engine_detokenize,
-            )
-        except RequestRejected as exc:
-            lifecycle.fire("reject", reason=str(exc))
-            metrics.REQUESTS_ENDED.labels(outcome="rejected").inc()
-            end.log("rejected", str(exc))
-            raise
-        if ctx.request_id in self._active:
-            lifecycle.fire("reject", reason="duplicate request id")
-            metrics.REQUESTS_ENDED.labels(outcome="rejected").inc()
-            end.log("rejected", "duplicate request id")
-            raise RequestRejected("request_id", f"{ctx.request_id!r} is already in flight on this worker")
+        await ActiveRequest(self, serving, request, ctx, outbox).run()
 
-        mapper = call.response_mapper(eos_token_ids=_eos_token_ids(request))
-        active = ActiveRequest(lifecycle, prompt_tokens=call.prompt_tokens, mapper=mapper)
-        self._active[ctx.request_id] = active
+    def _admit(self, active: ActiveRequest) -> None:
+        request_id = active.ctx.request_id
+        if request_id in self._active:
+            raise RequestRejected("request_id", f"{request_id!r} is already in flight on this worker")
+        self._active[request_id] = active
         self._idle = trio.Event()
-        # Stop strings are matched by the frontend on its own text: any chunk may be the one it ends the answer with.
-        stop_texts = bool(call.stop_texts)
-        engine_holds_request = False
-        outcome = "failed"
-        stats = metrics.RequestStats(end.input_tokens)
-        end.stats = stats
-        try:
-            final: list[dict[str, Any]] = []
-            # Set when the frontend ended the stream and the engine's terminal followed: a complete answer.
-            ended_downstream = False
-            # Chunks ending with a token the engine's terminal follows, held (bounded) for that terminal so that
-            # the frontend gets the last token, finish_reason and usage in one chunk.
-            held: list[dict[str, Any]] = []
-            hold_deadline = 0.0
-            # Whether the client may already have its whole answer: the frontend ends the stream at EOS / stop
-            # tokens and stop strings itself, and its close is then no cancellation.
-            may_be_complete = False
-            try:  # the engine stream's block: every way out of it goes through active.close_stream
-                first: _Batch | None = None
-                have_first = False
-                engine_holds_request = True
-                if call.handoff:
-                    lifecycle.fire("submit_decode")
-                    stream, first = await _open_deferring_stop(serving, call, active)
-                    have_first = True
-                else:
-                    lifecycle.fire("submit")
-                    stream = await active.open_stream(serving.client, call, serving.inactivity_timeout_s)
-                while True:
-                    if have_first:
-                        batch, have_first = first, False
-                    else:
-                        if mapper.done:
-                            # After the terminal event the engine closes the stream at once; wait briefly for that
-                            # close so an event after the terminal still fails the request instead of following a
-                            # success.
-                            timeout_s = _EOF_GRACE_S
-                        elif held:
-                            timeout_s = max(hold_deadline - trio.current_time(), 0.0)
-                        else:
-                            timeout_s = serving.inactivity_timeout_s
-                        try:
-                            batch = await active.next_batch(stream, timeout_s)
-                        except HungEngine:
-                            if mapper.done:
-                                log.warning(
-                                    "request %s: engine kept the stream open after its terminal", ctx.request_id
-                                )
-                                break
-                            if not held:
-                                raise
-                            # No terminal within the hold: the chunks go out as they are.
-                            chunks, held = held, []
-                            may_be_complete = True
-                            self.progress += 1
-                            end.sent(chunks)
-                            yield chunks
-                            continue
-                    if batch is None:
-                        break
-                    self._last_batch_at = trio.current_time()
-                    chunks = mapper.map(batch, held)
-                    if held:
-                        held = []
-                    if mapper.failure is not None:
-                        # Tokens, then the engine's terminal error: the tokens are the client's, the error follows.
-                        if lifecycle.state in ("submitted", "decoding"):
-                            lifecycle.fire("first_token")
-                        end.sent(chunks)
-                        yield chunks
-                        raise mapper.failure
-                    if mapper.done:
-                        if mapper.handed_off:
-                            lifecycle.fire("handoff")
-                        final.extend(chunks)
-                        continue
-                    if lifecycle.state in ("submitted", "decoding"):
-                        lifecycle.fire("first_token")
-                    if not chunks:
-                        continue
-                    if mapper.awaits_terminal(chunks):
-                        held = chunks
-                        hold_deadline = trio.current_time() + _TERMINAL_HOLD_S
-                        continue
-                    may_be_complete = stop_texts
-                    self.progress += 1
-                    end.sent(chunks)
-                    yield chunks
-            except BaseException as exc:
-                if (
-                    isinstance(exc, trio.Cancelled | GeneratorExit)
-                    and may_be_complete
-                    and lifecycle.state == "streaming"
-                    and active.worker_error is None
-                ):
-                    ended_downstream = await _terminal_follows(stream, mapper)
-                await active.close_stream(exc)
-                raise
-            await active.close_stream(None)
-            # The stream ended on its own: the engine no longer holds the request.
-            engine_holds_request = False
-            mapper.end_of_stream()
-            lifecycle.fire("finish")
-            outcome = "finished"
-            end.finished(final)
-            if final:
-                end.sent(final)
-                yield final
-        except (trio.Cancelled, GeneratorExit):
-            if ended_downstream:
-                # The frontend ended the stream at the answer's last token (EOS, stop token or string) and the engine's
-                # terminal followed: a complete answer, nothing to abort.
-                engine_holds_request = False
-                lifecycle.fire("finish", reason="the frontend ended the stream at the answer's last token")
-                outcome = "finished"
-                end.reason = "ended by the frontend at the answer's last token"
-                raise
-            # The client (or Dynamo) stopped the request (a decode leg's deferred stop is already `cancelled`).
-            if lifecycle.state == "prefill_ready":
-                log.warning(
-                    "request %s: stopped before its prefill handoff was delivered; the prefill engine holds that KV "
-                    "session until it expires",
-                    ctx.request_id,
-                )
-            lifecycle.fire("cancel", reason="stopped by the client")
-            if lifecycle.state == "cancelled":
-                outcome = "cancelled"
-            end.reason = end.reason or "stopped by the client"
-            raise
-        except ProtocolViolation as exc:
-            metrics.PROTOCOL_VIOLATIONS.labels(violation=exc.violation.value).inc()
-            lifecycle.fire("fail", reason=str(exc))
-            end.failed(str(exc), logging.ERROR)
-            raise
-        except (EngineRpcError, EngineFailure) as exc:
-            # An engine that broke off the stream, refused the request or ended it with a terminal error no longer
-            # holds it: nothing to abort.
-            engine_holds_request = False
-            if isinstance(exc, EngineRpcError) and exc.code is GrpcCode.UNAVAILABLE:
-                self.engine_trouble.set()
-                self.connection_lost.set()
-            lifecycle.fire("fail", reason=str(exc))
-            end.failed(str(exc), logging.WARNING)
-            raise
-        except SidecarError as exc:
-            if exc is active.worker_error:
-                # Ended by the worker (drain deadline, engine lost): cancelled, and the client migrates.
-                lifecycle.fire("cancel", reason=str(exc))
-                outcome = "cancelled"
-                end.reason = str(exc)
-                raise
-            if isinstance(exc, HungEngine):
-                await self._report_stall(serving, exc)
-            lifecycle.fire("fail", reason=str(exc))
-            end.failed(str(exc), logging.WARNING)
-            raise
-        except Exception as exc:
-            lifecycle.fire("fail", reason=f"{type(exc).__name__}: {exc}")
-            log.exception("request %s failed", ctx.request_id)
-            end.failed(f"{type(exc).__name__}: {exc}", logging.ERROR)
-            raise
-        finally:
-            # Every path reaches a terminal state; a cancel after a terminal is a documented no-op.
-            lifecycle.fire("cancel", reason="request task ended")
-            metrics.REQUESTS_ENDED.labels(outcome=outcome).inc()
-            stats.end(code=metrics.rpc_code(sys.exc_info()[1]))
-            if engine_holds_request:
-                await _abort(serving, ctx.request_id)
-            end.log(outcome)
-            del self._active[ctx.request_id]
+
+    def _forget(self, active: ActiveRequest) -> None:
+        if self._active.get(active.ctx.request_id) is active:
+            del self._active[active.ctx.request_id]
             if not self._active:
                 self._idle.set()
 
-    async def _report_stall(self, serving: ServingContext, error: HungEngine) -> None:
+    def _paths_on(self, edge: Edge) -> DataPaths:
+        loop = edge.loop
+        if self._paths is None or self._paths.loop is not loop:
+            self._paths = DataPaths(loop)
+        return self._paths
+
+    async def _report_stall(self, serving: ServingContext, silent_s: float, error: HungEngine) -> None:
         """An inactivity timeout: when no request got anything from the engine for as long, the engine is not
         producing, and the worker withdraws (``on_stall``) before the error reaches the frontend, so that its
         migration lands on another worker instead of this wedged one."""
-        silent_s = trio.current_time() - self._last_batch_at
         if self.on_stall is None or silent_s < serving.inactivity_timeout_s:
             return  # other requests got tokens meanwhile: this request is stuck, not the engine
         # Before the first token the silence has no start (-inf): say that, not "for infs".
@@ -614,72 +658,6 @@ def _eos_token_ids(request: dict[str, Any]) -> list[int]:
     if not isinstance(raw, list | tuple):
         return []
     return [i for i in raw if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
-
-
-async def _terminal_follows(stream: AsyncIterator[_Batch], mapper: ResponseMapper) -> bool:
-    """The frontend closed the stream after a chunk that may have completed the answer: read the engine's next
-    events (shielded, bounded by one hold). True when its terminal follows, i.e. the answer was complete; False
-    when it goes on generating (a real stop), errs, or stays silent."""
-    with trio.CancelScope(shield=True), trio.move_on_after(_TERMINAL_HOLD_S):
-        while True:
-            try:
-                batch = await anext(stream)
-                chunks = mapper.map(batch)
-            except Exception:  # StopAsyncIteration (EOF without a terminal), a transport error, a breach, an error
-                return False
-            if mapper.failure is not None:
-                return False
-            if mapper.done:
-                return not mapper.handed_off
-            if any(chunk["token_ids"] for chunk in chunks):
-                return False
-    return False
-
-
-async def _open_deferring_stop(
-    serving: ServingContext, call: GenerateCall, active: ActiveRequest
-) -> tuple[AsyncIterator[_Batch], _Batch | None]:
-    """Open a decode leg's stream and wait for its first batch (None: the stream ended) with a client stop deferred.
-
-    The open and the wait run shielded from the caller's cancellation; a watcher task outside the shield records a
-    client stop as ``defer``. After the first batch a deferred stop becomes ``first_token`` → ``cancelled`` and is
-    delivered by the checkpoint at the end. The worker's own cancellation and the inactivity timeout act on
-    ``active``'s scope inside the shield, so they are never deferred.
-    """
-    lifecycle = active.lifecycle
-    phase_over = False
-
-    async def watch_client() -> None:
-        try:
-            await trio.sleep_forever()
-        except trio.Cancelled:
-            if not phase_over and lifecycle.may_fire("defer"):
-                lifecycle.fire(
-                    "defer", reason="client stopped while the KV cache was in flight; deferred until the first token"
-                )
-                log.info("request %s: client stop deferred until the KV transfer lands", lifecycle.request_id)
-            # Not re-raised: the caller's cancellation stays in force and is delivered at the next checkpoint outside
-            # the shield (re-raising would surface it wrapped in an ExceptionGroup at the nursery's exit).
-
-    opened: tuple[AsyncIterator[_Batch], _Batch | None] | None = None
-    error: BaseException | None = None
-    async with trio.open_nursery() as watcher:
-        watcher.start_soon(watch_client)
-        with trio.CancelScope(shield=True):
-            try:
-                stream = await active.open_stream(serving.client, call, serving.inactivity_timeout_s)
-                opened = (stream, await active.next_batch(stream, serving.inactivity_timeout_s))
-            except BaseException as exc:  # re-raised below, outside the nursery (no ExceptionGroup wrapping)
-                error = exc
-        phase_over = True
-        if error is None and lifecycle.state == "cancel_deferred":
-            lifecycle.fire("first_token", reason="KV transfer landed: the deferred client stop takes effect")
-        watcher.cancel_scope.cancel()
-    if error is not None:
-        raise error
-    await trio.lowlevel.checkpoint()  # delivers a deferred client stop
-    assert opened is not None
-    return opened
 
 
 async def _abort(serving: ServingContext, request_id: str) -> None:

@@ -95,6 +95,7 @@ def _client_config(config: SidecarConfig) -> EngineClientConfig:
         connect_attempt_timeout_s=config.grpc_connect_attempt_timeout_s,
         retry_interval_s=config.grpc_retry_interval_s,
         startup_deadline_s=config.grpc_startup_deadline_s,
+        direct_receive=config.grpc_receive == "direct",
     )
 
 

@@ -11,6 +11,8 @@
 #   received -submit-> submitted -first_token-> streaming -finish-> finished
 #   received -reject-> rejected                      (refused before any RPC: HTTP 400, nothing sent to the engine)
 #   submitted -finish-> finished                     (the stream's first event is already terminal)
+#   streaming -close-> stopping -finish|cancel->     (the frontend closed the stream after a chunk that may have
+#                                                     completed the answer: the engine's next event decides)
 #   any live state -cancel-> cancelled               (client stop, drain deadline, worker shutdown)
 #   any live state -fail-> failed                    (engine error, protocol violation, engine lost, a bug)
 #
@@ -76,6 +78,7 @@ RequestState = Literal[
     "decoding",
     "cancel_deferred",
     "streaming",
+    "stopping",
     "prefill_ready",
     "finished",
     "rejected",
@@ -83,7 +86,7 @@ RequestState = Literal[
     "failed",
 ]
 RequestEvent = Literal[
-    "reject", "submit", "submit_decode", "first_token", "defer", "handoff", "finish", "cancel", "fail"
+    "reject", "submit", "submit_decode", "first_token", "defer", "close", "handoff", "finish", "cancel", "fail"
 ]
 
 STATES: tuple[RequestState, ...] = (
@@ -92,6 +95,7 @@ STATES: tuple[RequestState, ...] = (
     "decoding",
     "cancel_deferred",
     "streaming",
+    "stopping",
     "prefill_ready",
     "finished",
     "rejected",
@@ -119,16 +123,24 @@ TRANSITIONS: list[TransitionConfigDict] = [
     {"trigger": "first_token", "source": "cancel_deferred", "dest": "cancelled"},
     # The client stopped a decode leg while its KV cache is in flight: wait for the first response, then abort.
     {"trigger": "defer", "source": "decoding", "dest": "cancel_deferred"},
+    # The frontend closed the stream right after a chunk that may have completed the answer (it ends the stream at
+    # EOS, stop tokens and stop strings itself): the engine's next event, waited for one hold at most, tells a
+    # complete answer (its terminal: `finish`, nothing to abort) from a client that left (`cancel`, then Abort).
+    {"trigger": "close", "source": "streaming", "dest": "stopping"},
     # A prefill leg's terminal PrefillReady: the handoff is ready and waits for the end of the stream.
     {"trigger": "handoff", "source": ["submitted", "streaming"], "dest": "prefill_ready"},
     # Terminal response event (and, for a prefill leg, the end of the stream after PrefillReady).  From `submitted`
     # and `decoding` too: a zero-token answer (max_tokens reached at once, immediate stop) has a terminal first event.
-    {"trigger": "finish", "source": ["submitted", "decoding", "streaming", "prefill_ready"], "dest": "finished"},
+    {
+        "trigger": "finish",
+        "source": ["submitted", "decoding", "streaming", "stopping", "prefill_ready"],
+        "dest": "finished",
+    },
     # Drain deadline, worker shutdown, the request task ending -- and a client stop, except in `decoding` (`defer`).
     # Listed per state: `cancel` is never deferred.
     {
         "trigger": "cancel",
-        "source": ["received", "submitted", "decoding", "cancel_deferred", "streaming", "prefill_ready"],
+        "source": ["received", "submitted", "decoding", "cancel_deferred", "streaming", "stopping", "prefill_ready"],
         "dest": "cancelled",
     },
     # Engine error, protocol violation, lost engine or a bug: from every non-terminal state, so the request task's
@@ -172,6 +184,13 @@ STATE_DOCS: dict[RequestState, StateDoc] = {
     "streaming": StateDoc(
         meaning="The engine is producing tokens; chunks are flowing to the frontend.",
         operator_sees="In-flight request count; token throughput.",
+        action="Nothing.",
+    ),
+    "stopping": StateDoc(
+        meaning="The frontend closed the stream right after a chunk that may have completed the answer (it ends "
+        "the stream at EOS, stop tokens and stop strings itself); the engine's next event, waited for at most 0.25 s, "
+        "decides: its terminal makes the request finished (nothing to abort), anything else cancelled (aborted).",
+        operator_sees="Normally gone within one inter-token interval.",
         action="Nothing.",
     ),
     "prefill_ready": StateDoc(

@@ -6,7 +6,8 @@ The rulebook (``statemachines/lora.py``):
   the engine adapter again (unless the engine held it before we asked).
 * unload = card off, then engine ``UnloadLora``; a failed card removal keeps serving; a refused ``UnloadLora``
   publishes the card again; ``NOT_FOUND`` from the engine means the adapter is already gone (success).
-* An operation runs to its end even when its caller goes away (shielded), and each step is bounded.
+* An operation runs to its end even when its caller goes away (shielded), and each step is bounded; an operation
+  still waiting for its turn is cancelled with its caller (a drain does not wait for the queue).
 * ``sync`` adopts what the engine holds unasked and reloads what a restarted engine lost (withdrawing the card of an
   adapter that cannot be reloaded).
 """
@@ -213,6 +214,36 @@ async def test_the_caller_going_away_does_not_leave_a_half_load(root: Path, auto
         nursery.cancel_scope.cancel(reason="caller disconnected")
     assert set(engine.held) == {"a"}, "the accepted load ran to its end"
     assert cards.cards == {"a"}
+
+
+async def test_a_drain_cancels_the_operations_waiting_for_their_turn(
+    root: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    """Failed before: the wait for the turn (the lock) was inside the shield, so a cancelled caller -- a drain --
+    still waited for every operation ahead of it, then ran its own."""
+    engine, cards = FakeEngine(hang={"LoadLora"}), FakeCards()  # the first load holds the turn until its deadline
+    loras = manager(engine, cards, root)
+    ended: list[float] = []
+
+    async def queued(scope: trio.CancelScope) -> None:
+        with scope:
+            await loras.load(load_body(root, "b"))
+        ended.append(trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(loras.load, load_body(root, "a"))
+        while "LoadLora" not in engine.calls:
+            await trio.sleep(0.01)
+        drain = trio.CancelScope()
+        nursery.start_soon(queued, drain)
+        while loras._lock.statistics().tasks_waiting == 0:
+            await trio.sleep(0.01)
+        drained_at = trio.current_time()
+        drain.cancel(reason="drain deadline")
+    assert drain.cancelled_caught, "the queued operation was cancelled"
+    assert ended == [pytest.approx(drained_at)], "at once, not after the operation ahead of it"
+    assert engine.calls.count("LoadLora") == 1, "the cancelled load never reached the engine"
+    assert "b" not in engine.held
 
 
 async def test_unload_removes_the_card_first_and_rolls_back_a_refused_engine_unload(root: Path) -> None:

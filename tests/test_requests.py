@@ -41,6 +41,7 @@ from tests.helpers.scripted_engine import (
     error,
     finished,
     recorder,
+    serve,
     token,
 )
 
@@ -149,7 +150,7 @@ async def test_an_event_after_the_terminal_fails_the_request_instead_of_succeedi
     out: list[dict[str, Any]] = []
 
     async def consume() -> None:
-        async for batch in make_server(engine).handle(request(), RequestContext(request_id=RID)):
+        async for batch in serve(make_server(engine), request(), RequestContext(request_id=RID)):
             out.extend(batch)
 
     with pytest.raises(ProtocolViolation) as caught:
@@ -254,7 +255,7 @@ async def test_trace_headers_reach_the_engine_metadata(autojump_clock: trio.test
     server = make_server(engine)
     parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     ctx = RequestContext(request_id=RID, trace_headers={"traceparent": parent})
-    async for _ in server.handle(request(), ctx):
+    async for _ in serve(server, request(), ctx):
         pass
     assert ("traceparent", parent) in engine.metadata[0]
 
@@ -297,7 +298,7 @@ class Frontend:
 
     async def run(self, server: RequestServer, body: dict[str, Any]) -> None:
         with trio.CancelScope() as scope:
-            async for batch in server.handle(body, RequestContext(request_id=RID)):
+            async for batch in serve(server, body, RequestContext(request_id=RID)):
                 for chunk in batch:
                     self.chunks.append(chunk)
                     if "finish_reason" not in chunk and self.stop_ids.intersection(chunk["token_ids"]):
@@ -352,7 +353,7 @@ async def test_the_hold_never_delays_other_tokens(autojump_clock: trio.testing.M
     engine = ScriptedEngine([(0.01, [token(0, 10)]), (0.01, [token(0, 11)]), (0.01, [token(0, 12)]), (0.5, None)])
     arrivals: list[float] = []
     with trio.move_on_after(0.2):
-        async for _ in make_server(engine).handle(natural(), RequestContext(request_id=RID)):
+        async for _ in serve(make_server(engine), natural(), RequestContext(request_id=RID)):
             arrivals.append(trio.current_time())
     assert arrivals == pytest.approx([0.01, 0.02, 0.03])
 
@@ -362,7 +363,7 @@ async def test_an_engine_that_stalls_after_an_eos_token_costs_the_bound_only(
 ) -> None:
     engine = ScriptedEngine(split_finish(10.0, EOS))
     out: list[tuple[float, dict[str, Any]]] = []
-    async for batch in make_server(engine, inactivity=30.0).handle(natural(), RequestContext(request_id=RID)):
+    async for batch in serve(make_server(engine, inactivity=30.0), natural(), RequestContext(request_id=RID)):
         out.extend((trio.current_time(), chunk) for chunk in batch)
     (t_eos, eos_chunk), (_, fin_chunk) = out[1], out[2]
     assert eos_chunk["token_ids"] == [11, EOS]
@@ -411,6 +412,40 @@ async def test_a_stop_string_completing_token_waits_for_its_finish_when_the_engi
     assert engine.aborts == []
 
 
+async def test_a_stop_string_inside_a_token_ends_the_answer_there_with_the_engines_usage(
+    autojump_clock: trio.testing.MockClock, recorder: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 27 item 4(c): the frontend matches the stop string " th" inside the token " the"; an engine that matches
+    stop strings as token sequences (TensorRT-LLM) goes on. The sidecar sees the match in the engine's text: it holds
+    that chunk, aborts the engine once its next event shows it going on, and closes the answer with the engine's
+    terminal -- ``stop``, the stop string, the client's tokens and the engine's cached tokens. Failed before: the
+    chunk went out alone, the frontend ended the stream there, and the request was ``cancelled`` ("stopped by the
+    client"), with usage the frontend made up without ``cached_tokens``."""
+    engine = ScriptedEngine(
+        [
+            (0.01, [token(0, 10, text=" The")]),
+            (0.01, [token(0, 11, text=" the")]),  # " th" completes inside this token
+            (0.01, [token(0, 12, text=" river")]),  # the engine goes on
+            (0.01, [token(0, 13, text=" ran")]),
+            (0.005, [finished(0, pb.FINISH_REASON_CANCELLED, usage=(3, 4), cached=2)]),  # after the Abort
+        ]
+    )
+    frontend = Frontend({EOS}, ends_at={11})
+    with caplog.at_level(logging.INFO, logger="sidecar.requests"):
+        await frontend.run(make_server(engine), natural(stop=[" th"]))
+    assert frontend.stopped_at is None, "the frontend got the stop string's chunk with its finish"
+    last = frontend.chunks[-1]
+    assert last["token_ids"] == [11]
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", " th")
+    assert last["completion_usage"]["completion_tokens"] == 2, "the tokens the client got"
+    assert last["completion_usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+    assert [t for c in frontend.chunks for t in c["token_ids"]] == [10, 11]
+    assert recorder.final == "finished"
+    assert engine.aborts == [RID], "the engine went on: it is aborted"
+    [line] = [r.getMessage() for r in caplog.records if r.name == "sidecar.requests"]
+    assert line.startswith("request req-1 finished (stop string ' th'"), line
+
+
 async def test_a_client_leaving_a_stop_string_request_mid_stream_is_still_a_cancel_with_abort(
     autojump_clock: trio.testing.MockClock, recorder: Recorder
 ) -> None:
@@ -422,6 +457,23 @@ async def test_a_client_leaving_a_stop_string_request_mid_stream_is_still_a_canc
     assert recorder.final == "cancelled"
     assert engine.aborts == [RID]
     assert engine.abort_times[0] == pytest.approx(0.11)
+
+
+async def test_a_client_leaving_a_stop_string_request_before_the_engine_stalls_is_aborted_one_hold_later(
+    autojump_clock: trio.testing.MockClock, recorder: Recorder
+) -> None:
+    """Issue 29 item 4(a): after the frontend closed a stop-string stream, the wait for the engine's next event is
+    bounded by one hold. The client leaves 5 ms after a token and the engine then sends nothing: the Abort comes one
+    hold (0.25 s) after the close, not at the inactivity timeout."""
+    engine = ScriptedEngine([(0.01, [token(0, 10 + i)]) for i in range(10)] + [(0.0, None)])
+    with trio.fail_after(60):
+        with trio.move_on_after(0.105):
+            await collect(make_server(engine, inactivity=30.0), natural(stop=["river"]))
+        while not engine.aborts:
+            await trio.sleep(0.01)
+    assert ("close", "stopping") in recorder.events
+    assert recorder.final == "cancelled"
+    assert engine.abort_times == [pytest.approx(0.105 + 0.25)]
 
 
 async def test_a_client_leaving_a_plain_request_is_aborted_at_once(
@@ -446,7 +498,7 @@ async def test_tokens_in_the_batch_of_a_terminal_error_reach_the_client_before_t
     seen: list[dict[str, Any]] = []
 
     async def client() -> None:
-        async for chunks in make_server(engine).handle(natural(), RequestContext(request_id=RID)):
+        async for chunks in serve(make_server(engine), natural(), RequestContext(request_id=RID)):
             seen.extend(chunks)
 
     with pytest.raises(EngineFailure):
@@ -574,8 +626,14 @@ class ByRequest:
     def __init__(self, engines: dict[str, ScriptedEngine]) -> None:
         self.engines = engines
 
-    def generate(self, request: pb.GenerateRequest, *, metadata: Sequence[tuple[str, str]] = ()) -> Any:
-        return self.engines[request.request_id].generate(request, metadata=metadata)
+    @property
+    def edge(self) -> Any:
+        return next(iter(self.engines.values())).edge
+
+    def start_generate(
+        self, request: pb.GenerateRequest, sink: Any, *, metadata: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        self.engines[request.request_id].start_generate(request, sink, metadata=metadata)
 
     async def abort(self, request_id: str, *, timeout_s: float | None = None) -> Any:
         return await self.engines[request_id].abort(request_id)

@@ -316,7 +316,7 @@ class GenerateCall:
             terminal_ids=terminal,
             min_tokens=stopping.min_tokens,
             max_tokens=self.max_tokens,
-            stop_texts=bool(self.stop_texts) and engine_text,
+            stop_strings=self.stop_texts if engine_text else (),
             hidden_stop_ids=hidden_stop_ids,
         )
 

@@ -117,10 +117,13 @@ class ResponseMapper:
         "_prompt_positions",
         "_prompt_tokens",
         "_request_id",
+        "_stop_strings",
+        "_stopped_at",
         "_terminal_ids",
         "_text_first",
         "_text_hold",
         "_text_seen",
+        "_text_tail",
         "_text_withheld",
         "_trimmed",
     )
@@ -139,6 +142,7 @@ class ResponseMapper:
         min_tokens: int = 0,
         max_tokens: int | None = None,
         stop_texts: bool = False,
+        stop_strings: Sequence[str] = (),
         hidden_stop_ids: Iterable[int] = (),
     ) -> None:
         """``n`` outputs were asked for; ``logprobs`` as requested (None = not asked).
@@ -149,7 +153,8 @@ class ResponseMapper:
 
         ``terminal_ids`` (the request's EOS and stop token ids), ``min_tokens`` and ``max_tokens`` tell
         :meth:`awaits_terminal` which tokens the engine's terminal event follows; ``stop_texts``: the request has stop
-        strings and the engine sends its text (see :meth:`awaits_terminal`).
+        strings and the engine sends its text (see :meth:`awaits_terminal`); ``stop_strings``: those strings, matched
+        on the engine's text as the frontend matches them on its own (see :attr:`ends_at_stop_string`).
 
         ``hidden_stop_ids``: stop token ids the engine was asked to keep in its output (``include_stop_in_output``)
         that the frontend never shows; an output finishing on one loses that last token (see the module docstring).
@@ -180,7 +185,10 @@ class ResponseMapper:
         self._trimmed = 0  # stop tokens taken out of the output (and out of the engine's completion count)
         self._min_tokens = min_tokens
         self._max_tokens = max_tokens
-        self._text_hold = stop_texts
+        self._text_hold = stop_texts or bool(stop_strings)
+        self._stop_strings = tuple(s for s in stop_strings if s)
+        self._text_tail = [""] * n  # the end of each output's text, as long as a stop string could reach back
+        self._stopped_at: list[str | None] = [None] * n  # the stop string the frontend ends this output at
         self._text_seen = [False] * n  # the engine sent text for this output (it detokenizes)
         self._text_withheld = [False] * n  # its last token event had tokens but no text
         # The output's first token may end it (a stop string of one token, or a migrated stream's continuation): a
@@ -248,9 +256,13 @@ class ResponseMapper:
                 infos = token.tokens
                 if not infos:
                     continue
+                if self._stopped_at[index] is not None:
+                    continue  # past the frontend's stop string: the engine goes on, but the answer has ended
                 if self._text_hold:
                     if token.text:
                         self._text_seen[index] = True
+                        if self._stop_strings:
+                            self._match_stop_string(index, token.text)
                     self._text_withheld[index] = not token.text
                 # One token per event is the common case (TensorRT-LLM's default stream interval): no list
                 # comprehension (a frame of its own) for it.
@@ -300,6 +312,30 @@ class ResponseMapper:
             else:  # a oneof member this build does not know cannot be parsed into one; defensive
                 raise self._violation(Violation.UNEXPECTED_EVENT, f"unknown event {kind!r}")
         return chunks
+
+    def _match_stop_string(self, index: int, text: str) -> None:
+        """The frontend matches stop strings on its own text, inside a token too (stop ``" th"`` in ``" the"``), and
+        ends the answer at the token that completes one, whatever the engine does: an engine that matches stop
+        strings as token sequences (TensorRT-LLM) goes on. The same match on the engine's text marks the output."""
+        window = self._text_tail[index] + text
+        found = [(window.find(stop), stop) for stop in self._stop_strings if stop in window]
+        if found:
+            self._stopped_at[index] = min(found)[1]
+        reach = max(len(stop) for stop in self._stop_strings) - 1
+        self._text_tail[index] = window[-reach:] if reach else ""
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string the frontend ends the (first such) output at, per the engine's text; None if none."""
+        return next((stop for stop in self._stopped_at if stop is not None), None)
+
+    @property
+    def ends_at_stop_string(self) -> bool:
+        """Every output still open has reached a stop string in the engine's text (where the frontend ends it): the
+        answer is complete for the client, and an engine still generating past it should be aborted; its terminal then
+        closes the answer at the stop string, with the engine's usage (cached tokens) and the tokens the client got."""
+        open_outputs = [i for i, done in enumerate(self._finished) if not done]
+        return bool(open_outputs) and all(self._stopped_at[i] is not None for i in open_outputs)
 
     def _add_logprobs(self, chunk: Chunk, infos: Sequence[generation_pb2.TokenInfo]) -> None:
         log_probs: list[float] = chunk["log_probs"]
@@ -357,7 +393,12 @@ class ResponseMapper:
                 break
         chunk: Chunk = last if last is not None else {"token_ids": [], "index": index}
         chunk["finish_reason"] = _FINISH_REASONS[reason]
-        if reason == _STOP and finished.HasField("stop_match"):
+        stopped_at = self._stopped_at[index]
+        if stopped_at is not None:
+            # The frontend's stop string ended this output (the engine's own reason is what came after it).
+            chunk["finish_reason"] = "stop"
+            chunk["stop_reason"] = stopped_at
+        elif reason == _STOP and finished.HasField("stop_match"):
             match = finished.stop_match
             which = match.WhichOneof("match")
             if which is not None:
@@ -459,6 +500,8 @@ class ResponseMapper:
     def _usage(self, usage: generation_pb2.Usage) -> dict[str, Any]:
         prompt: int = usage.prompt_tokens or self._prompt_tokens
         completion: int = max(usage.completion_tokens - self._trimmed, 0) or sum(self._completion)
+        if any(stop is not None for stop in self._stopped_at):
+            completion = sum(self._completion)  # the tokens the client got, not what the engine made past the stop
         result: dict[str, Any] = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -504,6 +547,8 @@ class ResponseMapper:
         ids: list[int] = chunk["token_ids"]
         if not ids or "finish_reason" in chunk:
             return False
+        if self._stopped_at[index] is not None:
+            return True  # the frontend ends the output here: its finish_reason and usage must come with it
         count = self._completion[index]
         if self._max_tokens is not None and count >= self._max_tokens:
             return True

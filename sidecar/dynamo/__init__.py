@@ -1,8 +1,9 @@
 """The Dynamo adapter: the only package that imports ``dynamo``.
 
 Trio code uses :func:`open_dynamo` and :class:`DynamoWorker`; every Dynamo call runs on the edge loop thread
-(``sidecar.edge``). Requests arrive on that thread and are handed to a trio :data:`RequestHandler` through the bridge;
-a :class:`sidecar.errors.SidecarError` it raises becomes the ``dynamo.llm.exceptions`` class its ``kind`` names.
+(``sidecar.edge``). Requests arrive on that thread and are handed to a trio :data:`RequestHandler` through the bridge,
+with the :class:`ChunkSink` their chunks go to; a :class:`sidecar.errors.SidecarError` it fails the sink with becomes
+the ``dynamo.llm.exceptions`` class its ``kind`` names.
 """
 
 from ._bindings import ControlPlaneError as ControlPlaneError
@@ -14,6 +15,7 @@ from ._publishers import KvEventSink as KvEventSink
 from ._publishers import LoadSink as LoadSink
 from ._publishers import open_kv_event_sink as open_kv_event_sink
 from ._publishers import open_load_sink as open_load_sink
+from ._types import ChunkSink as ChunkSink
 from ._types import DynamoSettings as DynamoSettings
 from ._types import Registration as Registration
 from ._types import RequestContext as RequestContext
@@ -27,6 +29,7 @@ from ._worker import open_dynamo as open_dynamo
 
 __all__ = [
     "CANCELLED_CHUNK",
+    "ChunkSink",
     "ControlPlaneError",
     "ControlPlaneLost",
     "ControlPlaneUnreachable",

@@ -1,29 +1,24 @@
-"""The asyncio request handler Dynamo calls, bridging each request to a trio handler task.
+"""The asyncio request handler Dynamo calls, handing each request to a trio task and its chunks to Dynamo.
 
 Per request, on the edge loop thread::
 
-    Dynamo ──▶ generate(request, context) → outbox     the asyncio async iterator Dynamo iterates
-                  ▲ pending chunks (coalesced; bounded in tokens)
-               edge.trio_feed ──▶ trio handler task in the worker's request nursery
-                  ▲ cancel
-               context.async_killed_or_stopped()       (a done-callback, not code inside the iterator)
+    Dynamo ──▶ generate(request, context) → outbox      the asyncio async iterator Dynamo iterates
+                  ▲ deliver / end / fail                 the request's data path (sidecar.datapath), on this thread
+               edge.to_trio ──▶ handler(request, ctx, outbox)   a trio task in the worker's request nursery
+                  ▲ stop
+               context.async_killed_or_stopped()        (a done-callback, not code inside the iterator)
 
-Adaptive coalescing across this hop: the trio task's batches land in the outbox as they arrive (the outbox is the
-bridge's sink: no asyncio task wakes per batch), merged into the pending chunk of their output
-(``sidecar.convert.coalesce``) while Dynamo is busy with the previous chunk; the iterator hands Dynamo everything
-pending at once. Busy is also judged globally: Dynamo's cost is per chunk, and a saturated Dynamo still comes back
-for each request's next chunk at once, so the outboxes of one handler share a gate (:class:`_DynamoGate`) that lets
-at most ``max(2, in flight / 16)`` chunks be in Dynamo's hands, each slot held at least 2 ms; past that a request's
-next chunk waits its turn (first come, first served) and what arrives meanwhile joins it. When Dynamo keeps up,
-nothing waits and every chunk goes out alone, with no added delay. Only a consumer that stops reading holds the trio
-task back: past :data:`_MAX_PENDING_TOKENS` pending tokens the outbox stops counting batches as taken, and the
-bridge's bound then stops the trio task.
+The trio task owns the request's lifecycle; its chunks reach the outbox on this thread, without a thread crossing per
+chunk (``sidecar.datapath``). Coalescing: chunks that arrive while Dynamo is busy with the previous one merge into the
+pending chunk of their output (``sidecar.convert.coalesce``); the iterator hands Dynamo everything pending at once.
+A reader that keeps up gets every chunk alone, at once; nothing is held back on purpose. Only a consumer that stops
+reading holds the producer back: past :data:`_MAX_PENDING_TOKENS` pending tokens the outbox reports no room, and the
+data path stops acknowledging the engine's data (HTTP/2 flow control stops the engine).
 
 Why callbacks instead of a loop inside the iterator: Dynamo's cancellation is cooperative, and after a client
 disconnect the binding (1.6.1) pulls about one more item, then either throws ``GeneratorExit`` in or leaves the
-iterator suspended forever without closing it, so
-nothing that must happen on a stop may live in an iterator's body or ``finally``. The stop future's callback cancels
-the trio task (through the bridge) and ends the outbox.
+iterator suspended forever without closing it, so nothing that must happen on a stop may live in an iterator's body or
+``finally``. The stop future's callback tells the producer (``on_stop``), which tells the trio task.
 
 Why an iterator whose ``__anext__`` returns a future instead of an async generator: Dynamo prints every exception a
 handler raises with ``PyErr_Display`` (``map_python_exception`` in its bindings' ``engine.rs``), traceback included.
@@ -40,9 +35,11 @@ import logging
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any, Final
 
+import trio
+
 from sidecar.convert.coalesce import PendingChunks
-from sidecar.edge import EdgeError
-from sidecar.errors import WorkerDraining
+from sidecar.edge import EdgeClosed, EdgeError
+from sidecar.errors import SidecarError, WorkerDraining
 
 from ._bindings import dynamo_exception
 from ._types import RequestContext
@@ -50,9 +47,7 @@ from ._types import RequestContext
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
 
-    import trio
-
-    from sidecar.edge import Edge, TrioFeed
+    from sidecar.edge import Edge
 
     from ._bindings import Context
     from ._types import RequestHandler
@@ -73,25 +68,9 @@ class _Stopped:
     __slots__ = ()
 
 
-#: Batches the trio handler may run ahead of the outbox (bridge backpressure).
-_HIGH_WATER: Final = 8
-#: Tokens that may wait for Dynamo before the outbox holds the trio task back (a consumer that stopped reading, not a
-#: slow one).
+#: Tokens that may wait for Dynamo before the outbox reports no room (a consumer that stopped reading, not a slow
+#: one).
 _MAX_PENDING_TOKENS: Final = 4096
-
-#: Chunks Dynamo may hold at once (handed over, its reader not back yet): at least this many, else one per this many
-#: requests in flight. Past that, a request's next chunk waits its turn (first come, first served) and what arrives
-#: meanwhile joins it: Dynamo's cost is per chunk, so a saturated Dynamo gets fewer, larger chunks -- coalescing by
-#: Dynamo's global pace, where the per-request reader alone only sees its own. Below it nothing waits.
-_GATE_MIN: Final = 2
-_GATE_SHARE: Final = 16
-#: A slot stays taken at least this long after its chunk was handed over, even if the reader is back sooner (Dynamo's
-#: work for a chunk goes on after its reader returns): at most ``limit / hold`` chunks per second reach Dynamo once it
-#: is busy, i.e. 2,000/s at 64 requests in flight. Under that rate nothing waits.
-_GATE_HOLD_S: Final = 0.002
-#: A chunk Dynamo has held this long no longer counts (a slow client's stream, not Dynamo's backlog): a few stalled
-#: readers can never hold everyone else back.
-_GATE_EXPIRE_S: Final = 0.05
 
 _END: Final = _End()
 _STOPPED: Final = _Stopped()
@@ -99,157 +78,89 @@ _STOPPED: Final = _Stopped()
 _Outcome = _End | _Stopped | Exception
 
 
-class _DynamoGate:
-    """Admission of chunks to Dynamo, shared by the outboxes of one handler (loop thread only; see _GATE_MIN)."""
-
-    __slots__ = ("_in_hands", "_loop", "_returned", "_timer", "_waiting", "active")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._in_hands: dict[_Outbox, float] = {}  # handed a chunk at (loop.time())
-        self._returned: set[_Outbox] = set()  # ... whose reader is back already (the slot frees after the hold)
-        self._waiting: dict[_Outbox, None] = {}  # readers waiting for their turn, first come first
-        self._timer: asyncio.TimerHandle | None = None
-        self.active = 0  # requests started and not finished
-
-    def _may_serve(self) -> bool:
-        in_hands = self._in_hands
-        if in_hands:
-            now = self._loop.time()
-            for outbox, at in list(in_hands.items()):
-                age = now - at
-                if age >= _GATE_EXPIRE_S or (age >= _GATE_HOLD_S and outbox in self._returned):
-                    del in_hands[outbox]
-                    self._returned.discard(outbox)
-        return len(in_hands) < max(_GATE_MIN, self.active // _GATE_SHARE)
-
-    def handed(self, outbox: _Outbox) -> None:
-        """``outbox`` just handed Dynamo a chunk."""
-        self._in_hands.pop(outbox, None)
-        self._returned.discard(outbox)
-        self._in_hands[outbox] = self._loop.time()
-
-    def returned(self, outbox: _Outbox) -> None:
-        """``outbox``'s reader is back (Dynamo is done with its last chunk)."""
-        if outbox in self._in_hands:
-            self._returned.add(outbox)
-            if self._waiting:
-                self._admit()
-
-    def request(self, outbox: _Outbox) -> None:
-        """``outbox`` has a waiting reader and something for it: serve it now, or when its turn comes."""
-        if outbox in self._waiting:
-            return
-        if not self._waiting and self._may_serve():
-            outbox._serve_reader()
-            return
-        self._waiting[outbox] = None
-        if self._timer is None:
-            self._timer = self._loop.call_later(_GATE_HOLD_S, self._tick)
-
-    def forget(self, outbox: _Outbox) -> None:
-        self._in_hands.pop(outbox, None)
-        self._returned.discard(outbox)
-        self._waiting.pop(outbox, None)
-        if self._waiting:
-            self._admit()
-
-    def _admit(self) -> None:
-        waiting = self._waiting
-        while waiting and self._may_serve():
-            outbox = next(iter(waiting))
-            del waiting[outbox]
-            outbox._serve_reader()
-
-    def _tick(self) -> None:
-        # Slots also free by time (the hold, the expiry): look again while readers wait.
-        self._timer = None
-        self._admit()
-        if self._waiting:
-            self._timer = self._loop.call_later(_GATE_HOLD_S, self._tick)
-
-
 class _Outbox:
-    """What one request's trio task has for Dynamo: pending chunks (coalesced), then how the stream ended; the async
-    iterator Dynamo reads them from (``__anext__`` returns a future, see the module docstring); and the bridge's sink
-    (``_deliver``, ``_fail``, ``_end``, ``_finished``, ``taken``: ``sidecar.edge.LoopSink``) the trio task feeds.
+    """What one request has for Dynamo: pending chunks (coalesced), then how the stream ended; the async iterator
+    Dynamo reads them from (``__anext__`` returns a future, see the module docstring); and the producer's side
+    (:class:`~sidecar.dynamo.ChunkSink`: ``deliver``, ``end``, ``fail``, ``has_room``, ``when_room``, ``on_stop``).
 
     Loop thread only, but for ``__anext__``: Dynamo calls it on one of its own threads (holding the GIL) and awaits
     the result on the loop. It therefore only pops a chunk the loop already set aside (``_ready``: a list, whose
     ``pop(0)`` is one atomic call; an empty deque would cost 760 bytes per request) or hands the new future to the
-    loop. One producer (the trio task), one consumer (Dynamo,
-    one ``__anext__`` at a time).
+    loop. One producer, one consumer (Dynamo, one ``__anext__`` at a time).
     """
 
-    __slots__ = ("_gate", "_loop", "_owed", "_reader", "_ready", "_trio_done", "feed", "outcome",
-                 "pending", "stop_future", "taken")  # fmt: skip
+    __slots__ = ("_loop", "_on_room", "_reader", "_ready", "on_stop", "outcome", "pending", "stop_future")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, gate: _DynamoGate) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._gate = gate
         self.pending = PendingChunks()
         self.outcome: _Outcome | None = None
         # Chunks taken from `pending` in one merge and not handed out yet (Dynamo takes one per __anext__).
         self._ready: list[dict[str, Any]] = []
         self._reader: asyncio.Future[dict[str, Any]] | None = None  # Dynamo's pending __anext__
-        self.feed: TrioFeed[list[dict[str, Any]]] | None = None
+        self._on_room: Callable[[], None] | None = None
         self.stop_future: asyncio.Future[Any] | None = None
-        self._trio_done = False
-        # The bridge's backpressure: batches accepted (read by trio), and batches held while too much is pending.
-        self.taken = 0
-        self._owed = 0
+        #: The producer's: called once, on the loop, when Dynamo stops reading before the end.
+        self.on_stop: Callable[[], None] | None = None
 
-    # the bridge's side (LoopSink)
+    # the producer's side (ChunkSink)
 
-    def _deliver(self, batches: list[list[dict[str, Any]]]) -> None:
-        if self.outcome is not None:
-            return
-        pending = self.pending
-        for chunks in batches:
-            pending.extend(chunks)
-        if pending.tokens < _MAX_PENDING_TOKENS:
-            self.taken += len(batches)
-            if self.feed is not None:
-                self.feed.credit()  # read after writing `taken`: a pump that waits for room wakes up
+    @property
+    def stopped(self) -> bool:
+        return self.outcome is _STOPPED
+
+    @property
+    def has_room(self) -> bool:
+        return self.outcome is not None or self.pending.tokens < _MAX_PENDING_TOKENS
+
+    def deliver(self, chunks: list[dict[str, Any]]) -> None:
+        if self.outcome is None:
+            self.pending.extend(chunks)
+            if self._reader is not None:
+                self._serve_reader()
+
+    def when_room(self, callback: Callable[[], None]) -> None:
+        if self.has_room:
+            callback()
         else:
-            self._owed += len(batches)  # a reader that stopped reading holds the trio task back
-        if self._reader is not None:
-            self._gate.request(self)
+            self._on_room = callback
 
-    def _fail(self, error: BaseException) -> None:
+    def end(self) -> None:
+        if self.outcome is None:
+            self._settle(_END)
+
+    def fail(self, error: BaseException) -> None:
         if self.outcome is None:
             # No __cause__: Dynamo prints the exception it gets with every cause's traceback. The request's own log
             # line (sidecar.requests) names what happened; the exception's message carries it to the client.
-            self.end(_to_dynamo(error))
-
-    def _end(self) -> None:
-        if self.outcome is None:
-            self.end(_END)
-
-    def _finished(self) -> None:
-        self._trio_done = True
-        self._gate.active -= 1
-        if self.stop_future is not None:
-            self.stop_future.cancel()
-        if self.outcome is None:  # the trio task was stopped from here: the stop already set the outcome
-            self.end(_END)
+            self._settle(_to_dynamo(error))
 
     def stop(self, reason: str) -> None:
-        """The context was stopped or killed, or Dynamo closed the iterator: cancel the trio task, drop what Dynamo
-        has not read and leave a marker for a reader that is still reading."""
-        if self._trio_done or self.outcome is not None:
+        """The context was stopped or killed, or Dynamo closed or dropped the iterator: tell the producer, drop what
+        Dynamo has not read and leave a marker for a reader that is still reading."""
+        if self.outcome is not None:
             return  # the request already ended (or was stopped): what is pending is its whole answer
-        if self.feed is not None:
-            self.feed.cancel(reason)
-        self.end(_STOPPED)
+        logger.debug("request stopped by Dynamo: %s", reason)
+        self.pending.take()
+        self._ready.clear()
+        self._settle(_STOPPED)
+        on_stop, self.on_stop = self.on_stop, None
+        if on_stop is not None:
+            try:
+                on_stop()
+            except Exception:
+                logger.exception("telling the request about its stop failed")
+        self._room()
 
-    def end(self, outcome: _Outcome) -> None:
-        """The stream is over: ``outcome`` follows the pending chunks (``_STOPPED`` drops them)."""
-        if outcome is _STOPPED:
-            self.pending.take()
-            self._ready.clear()
+    def stopped_by_dynamo(self, future: asyncio.Future[Any]) -> None:
+        """The stop future's callback: the context was stopped or killed (a future we cancelled says nothing)."""
+        if not future.cancelled():
+            self.stop("the request was stopped or killed")
+
+    def _settle(self, outcome: _Outcome) -> None:
         self.outcome = outcome
-        self._gate.forget(self)  # the end is served at once
+        if self.stop_future is not None:
+            self.stop_future.cancel()  # frees Dynamo's stop future (a pyo3 future per request)
         self._serve_reader()
 
     # Dynamo's side
@@ -267,24 +178,17 @@ class _Outbox:
         return reader
 
     def _park(self, reader: asyncio.Future[dict[str, Any]]) -> None:
-        gate = self._gate
-        gate.returned(self)
-        if reader.done():
-            return  # Dynamo cancelled its wait
-        if self.outcome is None and self.pending and not self._ready:
-            self._reader = reader  # something to send: when its turn comes
-            gate.request(self)
-        elif not self._resolve(reader):
+        if not self._resolve(reader):
             self._reader = reader
 
     async def aclose(self) -> None:
-        """What an async generator's ``aclose`` did: the request is over for the reader, so stop its task."""
+        """What an async generator's ``aclose`` did: the request is over for the reader, so stop it."""
         self.stop("the asyncio consumer closed the stream")
 
     def __del__(self) -> None:
         # Dynamo dropped the iterator before its end without stopping the context (not seen, but then nobody would
-        # ever stop the trio task): take the request down. Any thread may run this, hence call_soon_threadsafe.
-        if not self._trio_done and self.feed is not None:
+        # ever stop the request): take the request down. Any thread may run this, hence call_soon_threadsafe.
+        if self.outcome is None:
             with suppress(RuntimeError):  # the loop has closed
                 self._loop.call_soon_threadsafe(self.stop, "the asyncio consumer dropped the stream")
 
@@ -299,18 +203,13 @@ class _Outbox:
             return True
         if not self._ready and self.pending:
             self._ready.extend(self.pending.take())
-            if self._owed:
-                self.taken += self._owed
-                self._owed = 0
-                if self.feed is not None:
-                    self.feed.credit()
+            self._room()
         try:
             chunk = self._ready.pop(0)  # try, not a test first: Dynamo's thread pops too
         except IndexError:
             pass
         else:
             reader.set_result(chunk)
-            self._gate.handed(self)
             return True
         outcome = self.outcome
         if outcome is None:
@@ -325,6 +224,12 @@ class _Outbox:
         else:
             reader.set_exception(StopAsyncIteration())
         return True
+
+    def _room(self) -> None:
+        on_room = self._on_room
+        if on_room is not None and self.has_room:
+            self._on_room = None
+            on_room()
 
 
 def request_context(request: dict[str, Any], context: Context) -> RequestContext:
@@ -347,30 +252,54 @@ def _to_dynamo(error: BaseException) -> Exception:
 def make_handler(
     edge: Edge, nursery: trio.Nursery, handler: RequestHandler
 ) -> Callable[[dict[str, Any], Context], AsyncIterator[dict[str, Any]]]:
-    """The function to pass to ``serve_endpoint``: each call starts ``handler`` in ``nursery`` and returns the async
-    iterator of the request's chunks."""
+    """The function to pass to ``serve_endpoint``: each call starts ``handler`` in ``nursery`` (one trio task per
+    request) and returns the async iterator of the request's chunks."""
 
     loop = edge.loop
 
-    gate = _DynamoGate(loop)
-
     def generate(request: dict[str, Any], context: Context) -> _Outbox:
         # Called on one of Dynamo's threads, not on the loop: everything that needs the loop starts there.
-        outbox = _Outbox(loop, gate)
+        outbox = _Outbox(loop)
         loop.call_soon_threadsafe(_start, outbox, request, context)
         return outbox
 
     def _start(outbox: _Outbox, request: dict[str, Any], context: Context) -> None:
         try:
             ctx = request_context(request, context)
-            gate.active += 1  # until the bridge reports the trio side _finished (it always does)
-            outbox.feed = edge.trio_feed(nursery, outbox, handler, request, ctx, high_water=_HIGH_WATER)
-            if outbox._trio_done:  # the trio run or the nursery is gone: the outbox has its error already
-                return
             stop = outbox.stop_future = asyncio.ensure_future(context.async_killed_or_stopped())
-            stop.add_done_callback(lambda _: outbox.stop("the request was stopped or killed"))
+            stop.add_done_callback(outbox.stopped_by_dynamo)
+            if not edge.to_trio(_spawn, outbox, request, ctx):
+                outbox.fail(EdgeClosed("the trio run has finished"))
         except Exception as error:
-            if outbox.outcome is None:
-                outbox.end(_to_dynamo(error))
+            outbox.fail(error)
+
+    def _spawn(outbox: _Outbox, request: dict[str, Any], ctx: RequestContext) -> None:
+        # trio thread (a posted callable: must not raise)
+        try:
+            nursery.start_soon(_run, outbox, request, ctx, name=f"request {ctx.request_id}")
+        except RuntimeError as exc:  # "Nursery is closed to new arrivals"
+            edge.to_loop(outbox.fail, EdgeClosed(f"cannot start the request in trio: {exc}"))
+
+    async def _run(outbox: _Outbox, request: dict[str, Any], ctx: RequestContext) -> None:
+        try:
+            await handler(request, ctx, outbox)
+        except trio.Cancelled as exc:
+            edge.to_loop(outbox.fail, EdgeClosed(f"the request's task was cancelled: {exc}"))
+            raise
+        except SidecarError as exc:  # an expected refusal before the request started (the worker is not serving)
+            edge.to_loop(outbox.fail, exc)
+        except Exception as exc:  # the handler settles the outbox itself; this is the backstop for a bug
+            logger.exception("request %s: the handler failed", ctx.request_id)
+            edge.to_loop(outbox.fail, exc)
+        else:
+            edge.to_loop(_backstop, outbox)
 
     return generate
+
+
+def _backstop(outbox: _Outbox) -> None:
+    # After the handler's own outcome (posted first: the posts are FIFO), only a handler that forgot to settle the
+    # outbox leaves it open; a stream ending without a finish_reason would read as a truncated success.
+    if outbox.outcome is None:
+        logger.error("a request handler returned without ending its stream")
+        outbox.fail(RuntimeError("the request ended without an outcome"))

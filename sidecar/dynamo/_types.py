@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias
 
 __all__ = [
+    "ChunkSink",
     "DiscoveryBackend",
     "DynamoSettings",
     "EndpointType",
@@ -112,7 +113,36 @@ class RequestContext:
     annotations: tuple[str, ...] = ()
 
 
-#: A trio async generator function: ``handler(request, ctx)`` yields batches (non-empty lists) of Dynamo
-#: ``LLMEngineOutput`` chunk dicts, each with ``token_ids``. Raising a ``SidecarError`` ends the request with the
-#: matching Dynamo error; being cancelled means the client went away (or the worker is tearing down).
-RequestHandler: TypeAlias = Callable[[dict[str, Any], RequestContext], AsyncIterator[list[dict[str, Any]]]]
+class ChunkSink(Protocol):
+    """Where one request's chunks go: the outbox Dynamo reads them from. **Edge loop thread only.**
+
+    The producer (the request's data path) hands it ``LLMEngineOutput`` chunk dicts as they come (``deliver``; they
+    are merged while Dynamo is busy with the previous chunk), then ends it (``end``) or fails it (``fail``: the
+    exception Dynamo is given, mapped by its ``SidecarError.kind``); the first of the two counts. ``on_stop``, set by
+    the producer, is called once if Dynamo stops reading first (the client left, the frontend ended the stream, or
+    Dynamo dropped the iterator); ``stopped`` says so afterwards. Backpressure: ``has_room`` is False while too many
+    tokens wait for a reader that stopped reading; ``when_room(callback)`` calls back once there is room again.
+    """
+
+    on_stop: Callable[[], None] | None
+
+    @property
+    def stopped(self) -> bool: ...
+
+    @property
+    def has_room(self) -> bool: ...
+
+    def deliver(self, chunks: list[dict[str, Any]]) -> None: ...
+
+    def when_room(self, callback: Callable[[], None]) -> None: ...
+
+    def end(self) -> None: ...
+
+    def fail(self, error: BaseException) -> None: ...
+
+
+#: A trio coroutine function: ``await handler(request, ctx, outbox)`` serves one request, run as a task of the
+#: worker's request nursery. It must settle ``outbox`` (``end`` or ``fail``, on the edge loop) before it returns;
+#: if it raises, or is cancelled from outside (worker teardown), the adapter fails the outbox itself (a
+#: ``SidecarError`` becomes the Dynamo error its ``kind`` names; a teardown becomes ``EngineShutdown``, migrated).
+RequestHandler: TypeAlias = Callable[[dict[str, Any], RequestContext, ChunkSink], Awaitable[None]]

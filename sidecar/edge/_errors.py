@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BridgeCancelled", "EdgeClosed", "EdgeError", "StreamIdle"]
+__all__ = ["BridgeCancelled", "EdgeClosed", "EdgeError"]
 
 
 class EdgeError(RuntimeError):
@@ -17,11 +17,4 @@ class BridgeCancelled(EdgeError):
     """The other side's task was cancelled by something other than this caller (an outer trio scope, for example).
 
     The message carries the original cancellation text, which on trio >= 0.31 includes the scope's reason.
-    """
-
-
-class StreamIdle(Exception):
-    """A feed watched with ``watch_idle(seconds)`` had nothing pushed for that long while its consumer waited.
-
-    Raised in the waiting consumer only; the stream stays open (what to do is the consumer's decision).
     """

@@ -1,9 +1,8 @@
-"""The consumer side of a bridged stream, in both directions: batches posted by the other thread's pump, the end.
+"""The consumer side of a bridged stream: batches posted by the other thread's producer, then the end.
 
 Trio's consumers (``BatchStream`` and ``FeedStream``, which share ``_TrioConsumer``: trio reads what the loop posts)
-and ``AsyncioBatchStream`` (asyncio reads what a trio pump posts) are the same buffer with a different way to wait:
-:class:`Inbox` holds what they share -- the batches and their merging, the error or end that follows them, the count
-of items taken (the producer's backpressure) -- and each side adds how its consumer parks and is woken
+keep their buffer here: :class:`Inbox` holds the batches and their merging, the error or end that follows them, the
+count of items taken (the producer's backpressure); the consumer adds how it parks and is woken
 (:meth:`Inbox._wake`) and what it does when its producer is gone (:meth:`Inbox._pump_gone`).
 
 Every attribute belongs to the consumer's thread; the pump reaches it only by posting the ``_deliver``/``_fail``/

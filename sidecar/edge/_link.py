@@ -70,8 +70,7 @@ class Link:
     one drain too many, which finds the queue empty.
     """
 
-    __slots__ = ("_trio_finished", "_trio_jobs", "_trio_posted", "feeds", "idle_watch", "loop", "shutting_down",
-                 "token")  # fmt: skip
+    __slots__ = ("_trio_finished", "_trio_jobs", "_trio_posted", "feeds", "loop", "shutting_down", "token")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, token: trio.lowlevel.TrioToken) -> None:
         self.loop: Final = loop
@@ -81,8 +80,6 @@ class Link:
         self._trio_jobs: Final[deque[_Job]] = deque()
         # Loop thread only: feeds (``Edge.open_feed``) started and not finished; failed if the loop shuts down.
         self.feeds: Final[set[Any]] = set()
-        # Loop thread only: the sweep over feeds watched for silence (``_to_asyncio.IdleWatch``), made on first use.
-        self.idle_watch: Any = None
         self._trio_posted = False
         self._trio_finished = False
 

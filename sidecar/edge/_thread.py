@@ -19,13 +19,12 @@ import uvloop
 from ._errors import EdgeClosed, EdgeError
 from ._link import Link, logger, to_trio
 from ._to_asyncio import AsyncioCall, BatchStream, FeedStream
-from ._to_trio import start_trio_call, start_trio_feed, start_trio_stream
+from ._to_trio import start_trio_call
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
     from ._to_asyncio import Feed
-    from ._to_trio import AsyncioBatchStream, LoopSink, TrioFeed
 
 __all__ = ["Edge", "open_edge"]
 
@@ -55,8 +54,9 @@ class Edge:
     """The asyncio edge: one thread running one uvloop loop, and the trio ⇄ asyncio bridge. Get one from
     :func:`open_edge`.
 
-    From trio: :meth:`run` (one call), :meth:`open_stream` (consume an asyncio async iterator).
-    From the edge loop thread: :meth:`trio_stream` and :meth:`trio_call` (run trio code in a given nursery).
+    From trio: :meth:`run` (one call), :meth:`open_stream` and :meth:`open_feed` (consume what the loop produces),
+    :meth:`to_loop` (post a callable, without waiting). From the edge loop thread: :meth:`trio_call` (run trio code
+    in a given nursery) and :meth:`to_trio` (post a callable into trio).
     """
 
     def __init__(self, name: str, token: trio.lowlevel.TrioToken) -> None:
@@ -90,6 +90,22 @@ class Edge:
         link = self._require_open()
         return await AsyncioCall(link, lambda: fn(*args)).result()
 
+    def to_loop(self, fn: Callable[[*Ts], object], *args: *Ts) -> bool:
+        """Run ``fn(*args)`` soon on the edge loop thread, without waiting (from any thread; posts run in order).
+
+        ``False`` once the loop is closed (``fn`` will not run). For fire-and-forget commands such as a request's
+        data path (``sidecar.datapath``); :meth:`run` is the call that waits for a result.
+        """
+        link = self._link
+        return link is not None and link.to_loop(fn, *args)
+
+    def to_trio(self, fn: Callable[[*Ts], object], *args: *Ts) -> bool:
+        """Run ``fn(*args)`` soon in trio's thread (call it on the edge loop thread; posts run in order, several per
+        wakeup of trio). ``fn`` must not block; an exception from it is logged, never raised inside trio. ``False``
+        once trio has finished."""
+        link = self._link
+        return link is not None and link.to_trio(fn, *args)
+
     def open_stream(self, fn: Callable[[*Ts], AsyncIterator[T]], *args: *Ts, high_water: int = 1024) -> BatchStream[T]:
         """Consume the asyncio async iterator ``fn(*args)`` from trio, as batches (trio → asyncio).
 
@@ -118,36 +134,6 @@ class Edge:
         """
         link = self._require_open()
         return FeedStream(link, start, args, high_water)
-
-    def trio_stream(
-        self, nursery: trio.Nursery, fn: Callable[[*Ts], AsyncIterator[T]], *args: *Ts, high_water: int = 1024
-    ) -> AsyncioBatchStream[T]:
-        """Run the trio async iterator ``fn(*args)`` as a task in ``nursery`` and return an asyncio iterator of its
-        batches (asyncio → trio). Call it **on the edge loop thread** (e.g. in Dynamo's request handler).
-
-        Batching and backpressure as in :meth:`open_stream`, reversed. Exceptions from the trio side cross as the same
-        object. ``aclose()`` of the returned iterator, or cancellation of the asyncio task waiting on it, cancels the
-        trio task's scope with a reason; close it with ``contextlib.aclosing``. A closed nursery or a finished trio run
-        makes the iterator raise :class:`EdgeClosed`.
-        """
-        link = self._require_loop_thread("trio_stream")
-        return start_trio_stream(link, nursery, fn, args, high_water, f"trio_stream:{_name_of(fn)}")
-
-    def trio_feed(
-        self,
-        nursery: trio.Nursery,
-        sink: LoopSink[T],
-        fn: Callable[[*Ts], AsyncIterator[T]],
-        *args: *Ts,
-        high_water: int = 1024,
-    ) -> TrioFeed[T]:
-        """Like :meth:`trio_stream`, but the batches go to ``sink``'s methods on the loop as they arrive, with no
-        asyncio task waking per batch (see :class:`~sidecar.edge._to_trio.LoopSink`). Call it **on the edge loop
-        thread**; stop the trio task with the returned handle's ``cancel(reason)``, and call its ``credit()`` when the
-        sink's ``taken`` grows after it held batches back.
-        """
-        link = self._require_loop_thread("trio_feed")
-        return start_trio_feed(link, nursery, sink, fn, args, high_water, f"trio_feed:{_name_of(fn)}")
 
     async def trio_call(self, nursery: trio.Nursery, fn: Callable[[*Ts], Awaitable[T]], *args: *Ts) -> T:
         """Run ``fn(*args)`` as a trio task in ``nursery`` and return its result (asyncio → trio). Await it **on the

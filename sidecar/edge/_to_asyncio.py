@@ -8,13 +8,12 @@ trio and read by the pump between two items (see :class:`_Pump`).
 from __future__ import annotations
 
 import asyncio
-import math
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 import outcome
 import trio
 
-from ._errors import EdgeClosed, StreamIdle
+from ._errors import EdgeClosed
 from ._inbox import Inbox
 from ._link import EXIT_GRACE, MAX_BATCH, aclose_iterator, logger
 
@@ -91,9 +90,9 @@ class AsyncioCall(Generic[T]):
 
 class _TrioConsumer(Inbox[T]):
     """The trio side both streams share: one consumer task parked without allocating (trio's low-level parking, no
-    Event per wait), the credit posted to a holding producer, :meth:`interrupt`, and a close that tells the producer
-    and waits at most :data:`EXIT_GRACE` for it to finish. Each stream adds its producer (a pump task iterating an
-    asyncio iterator, or a :class:`Feed` fed by loop callbacks) and how to start, stop and idle-watch it."""
+    Event per wait), the credit posted to a holding producer, and a close that tells the producer and waits at most
+    :data:`EXIT_GRACE` for it to finish. Each stream adds its producer (a pump task iterating an asyncio iterator, or
+    a :class:`Feed` fed by loop callbacks) and how to start and stop it."""
 
     __slots__ = ("_busy", "_done_event", "_producer_finished", "_waiter")
 
@@ -132,12 +131,6 @@ class _TrioConsumer(Inbox[T]):
     def _abort_wait(self, _: object) -> trio.lowlevel.Abort:
         self._waiter = None
         return trio.lowlevel.Abort.SUCCEEDED
-
-    def interrupt(self, error: BaseException) -> None:
-        """Raise ``error`` in the consumer if it is waiting in ``__anext__`` now (else nothing happens)."""
-        if (task := self._waiter) is not None:
-            self._waiter = None
-            trio.lowlevel.reschedule(task, outcome.Error(error))
 
     async def _close(self, cancel: Callable[[], None], what: str) -> None:
         """Post ``cancel`` to the loop unless the producer already finished, then wait for it, shielded and bounded."""
@@ -196,11 +189,6 @@ class BatchStream(_TrioConsumer[T]):
     async def __aexit__(self, *exc_info: object) -> None:
         await self._aclose()
 
-    def watch_idle(self, seconds: float) -> None:
-        """As :meth:`FeedStream.watch_idle`: a consumer waiting while nothing arrived for ``seconds`` gets
-        :class:`StreamIdle` (the stream stays open)."""
-        self._link.to_loop(self._pump.watch_idle, seconds)
-
     async def _aclose(self) -> None:
         # Stop first and tidy up afterwards: the pump may be running flat out, and every item it reads meanwhile is
         # latency (freeing a large backlog here takes milliseconds, with the GIL held).
@@ -212,40 +200,17 @@ class BatchStream(_TrioConsumer[T]):
             self._link.to_loop(self._pump.credit)
 
 
-class _IdleWatched:
-    """Loop side, shared by :class:`_Pump` and :class:`Feed`: tell a waiting consumer about silences (``IdleWatch``
-    sweeps them all with one timer)."""
+class _LoopSide:
+    """Loop side, shared by :class:`_Pump` and :class:`Feed`: the edge's link and the trio consumer they feed."""
 
-    __slots__ = ("_idle_s", "_link", "_quiet_since", "_sink")
+    __slots__ = ("_link", "_sink")
 
     def __init__(self, link: Link, sink: _TrioConsumer[Any]) -> None:
         self._link: Final = link
-        self._sink: Final = sink  # the trio side: only the Inbox's callbacks, `taken` and `interrupt` are used
-        # loop: watch_idle's period (0: not watched), and since when nothing was posted or reported (loop.time()).
-        self._idle_s = 0.0
-        self._quiet_since = 0.0
-
-    def _watch(self, seconds: float) -> None:
-        self._idle_s = seconds
-        self._quiet_since = self._link.loop.time()
-        watch = self._link.idle_watch
-        if watch is None:
-            watch = self._link.idle_watch = IdleWatch(self._link)
-        watch.add(self)
-
-    def idle_check(self, now: float) -> None:
-        """Loop (the sweep): tell a waiting consumer once per ``watch_idle`` period of silence."""
-        idle = now - self._quiet_since
-        if idle >= self._idle_s:
-            self._quiet_since = now
-            self._link.to_trio(self._sink.interrupt, StreamIdle(f"nothing arrived for {idle:.3g}s"))
-
-    def _stop_watching(self) -> None:
-        if self._idle_s and self._link.idle_watch is not None:
-            self._link.idle_watch.feeds.discard(self)
+        self._sink: Final = sink  # the trio side: only the Inbox's callbacks and `taken` are used
 
 
-class _Pump(_IdleWatched, Generic[T]):
+class _Pump(_LoopSide, Generic[T]):
     """The asyncio half of a :class:`BatchStream`: iterates ``fn()`` on the edge loop and posts batches to trio.
 
     Batching: the first item of a batch schedules a flush with ``loop.call_soon``, which runs only once the pump
@@ -287,11 +252,6 @@ class _Pump(_IdleWatched, Generic[T]):
         # Written by the pump, read by trio: the pump waits for the consumer to take items.
         self.wants_credit = False
 
-    def watch_idle(self, seconds: float) -> None:
-        """Loop callback: report silences of ``seconds`` to a waiting consumer (see ``IdleWatch``)."""
-        if not self._closing and seconds > 0:
-            self._watch(seconds)
-
     def start(self) -> None:
         """Loop callback: start pumping, unless trio already left."""
         if self.stop:
@@ -315,8 +275,6 @@ class _Pump(_IdleWatched, Generic[T]):
         if self._batch:
             batch, self._batch = self._batch, []
             self._posted += len(batch)
-            if self._idle_s:
-                self._quiet_since = self._link.loop.time()
             if not self._link.to_trio(self._sink._deliver, batch):
                 self.stop = True
 
@@ -359,7 +317,6 @@ class _Pump(_IdleWatched, Generic[T]):
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         # A done callback rather than a finally: a task cancelled before its first step never runs its body.
-        self._stop_watching()
         if self.stop:
             if not task.cancelled() and (error := task.exception()) is not None:
                 logger.debug("edge: asyncio stream failed after the trio side left", exc_info=error)
@@ -401,17 +358,12 @@ class FeedStream(_TrioConsumer[T]):
         self._feed.stopped = True
         await self._close(self._feed._cancel, "a feed")
 
-    def watch_idle(self, seconds: float) -> None:
-        """From now on, a consumer waiting while nothing was pushed for ``seconds`` gets :class:`StreamIdle` raised
-        (the stream stays open). One timer on the loop per stream, instead of a deadline per wait in trio."""
-        self._link.to_loop(self._feed._watch_idle, seconds)
-
     def _credit_if_wanted(self) -> None:
         if self._feed.wants_credit:  # read after writing `taken`: see Feed.hold
             self._link.to_loop(self._feed._credit)
 
 
-class Feed(_IdleWatched, Generic[T]):
+class Feed(_LoopSide, Generic[T]):
     """The loop side of a :class:`FeedStream`: what its producer calls, on the loop thread only.
 
     ``start(feed, *args)`` is called on the loop when trio enters the stream; it sets :attr:`on_cancel` and arranges
@@ -458,8 +410,6 @@ class Feed(_IdleWatched, Generic[T]):
         if self._done:
             return False
         self._posted += len(items)
-        if self._idle_s:
-            self._quiet_since = self._link.loop.time()
         if not self._link.to_trio(self._sink._deliver, items):
             self._done = True
             return False
@@ -478,7 +428,6 @@ class Feed(_IdleWatched, Generic[T]):
         if not self._done:
             self._done = True
             self._link.feeds.discard(self)
-            self._stop_watching()
             self._link.to_trio(self._sink._end)
             self._link.to_trio(self._sink._finished)
 
@@ -487,7 +436,6 @@ class Feed(_IdleWatched, Generic[T]):
         if not self._done:
             self._done = True
             self._link.feeds.discard(self)
-            self._stop_watching()
             self._link.to_trio(self._sink._fail, error)
             self._link.to_trio(self._sink._finished)
 
@@ -520,7 +468,6 @@ class Feed(_IdleWatched, Generic[T]):
             return
         self._done = True
         self._link.feeds.discard(self)
-        self._stop_watching()
         self.wants_credit = False
         on_cancel, self.on_cancel = self.on_cancel, None
         try:
@@ -531,10 +478,6 @@ class Feed(_IdleWatched, Generic[T]):
         finally:
             self._link.to_trio(self._sink._finished)
 
-    def _watch_idle(self, seconds: float) -> None:
-        if not self._done and seconds > 0:
-            self._watch(seconds)
-
     def _credit(self) -> None:
         on_room = self._on_room
         if on_room is not None and self._posted - self._sink.taken < self._high_water:
@@ -542,38 +485,3 @@ class Feed(_IdleWatched, Generic[T]):
             self.wants_credit = False
             if not self._done:
                 on_room()
-
-
-class IdleWatch:
-    """One timer for every feed watched for silence on a loop (a timer per stream would cost ~0.6 KiB each).
-
-    Sweeps every eighth of the shortest period watched, so a silence is reported between 1 and 1⅛ periods after
-    the last push; stops while no feed is watched.
-    """
-
-    __slots__ = ("_link", "_period", "_timer", "feeds")
-
-    def __init__(self, link: Link) -> None:
-        self._link: Final = link
-        self.feeds: Final[set[_IdleWatched]] = set()
-        self._period = math.inf
-        self._timer: asyncio.TimerHandle | None = None
-
-    def add(self, feed: _IdleWatched) -> None:
-        self.feeds.add(feed)
-        period = feed._idle_s / 8
-        if self._timer is None or period < self._period:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._period = period
-            self._timer = self._link.loop.call_later(period, self._sweep)
-
-    def _sweep(self) -> None:
-        if not self.feeds:
-            self._timer = None
-            self._period = math.inf
-            return
-        now = self._link.loop.time()
-        for feed in list(self.feeds):
-            feed.idle_check(now)
-        self._timer = self._link.loop.call_later(self._period, self._sweep)

@@ -15,7 +15,6 @@ from sidecar.contract import check_server_compat as check_server_compat
 from sidecar.contract import expected_release_problem as expected_release_problem
 from sidecar.contract import parse_endpoint as parse_endpoint
 from sidecar.contract import release_matches as release_matches
-from sidecar.edge import StreamIdle as StreamIdle
 
 from ._client import BatchIterator as BatchIterator
 from ._client import ChannelStats as ChannelStats
@@ -60,7 +59,6 @@ __all__ = [
     "MetadataError",
     "RequestMetadata",
     "SchemaIncompatible",
-    "StreamIdle",
     "TlsFiles",
     "TlsFilesError",
     "TraceContext",

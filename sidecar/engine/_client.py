@@ -29,6 +29,7 @@ Rules kept here, each learnt the hard way:
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import math
@@ -86,6 +87,7 @@ if TYPE_CHECKING:
     from sidecar.edge import BatchStream, Edge, Feed, FeedStream
 
     from ._config import EngineClientConfig
+    from ._sink import GenerateSink
 
 __all__ = ["BatchIterator", "ChannelStats", "EngineClient", "open_engine_client", "tls_files"]
 
@@ -107,6 +109,8 @@ _PROBE_TIMEOUT_S: Final = 35.0
 _LOG_EVERY_S: Final = 30.0
 # A connection at the engine's MAX_CONCURRENT_STREAMS is logged at most this often.
 _STREAM_LIMIT_LOG_EVERY_S: Final = 60.0
+# A stream read flat out is handed over at least every this many messages (the loop runs in between).
+_MAX_BATCH: Final = 1024
 # Statuses that mean "not reachable yet": wait_connected keeps trying on these and fails fast on anything else
 # (an engine that answers UNIMPLEMENTED to GetServerInfo will not change its mind within the startup deadline).
 _RETRY_CODES: Final = frozenset(
@@ -157,16 +161,6 @@ class BatchIterator(Generic[_T]):
             return await self._batches.__anext__()
         except EdgeError as exc:
             raise EngineRpcError(self._rpc, GrpcCode.UNAVAILABLE, f"the edge loop is gone: {exc}") from exc
-
-    def watch_idle(self, seconds: float) -> None:
-        """Raise :class:`~sidecar.edge.StreamIdle` in a consumer waiting while the engine sent nothing for
-        ``seconds`` (the stream stays open). One sweep on the edge loop for every stream watched: the consumer needs
-        no deadline of its own per wait."""
-        self._batches.watch_idle(seconds)
-
-    def interrupt(self, error: BaseException) -> None:
-        """Raise ``error`` in the consumer if it is waiting for the next batch now (else nothing happens)."""
-        self._batches.interrupt(error)
 
 
 class _BoundedProtoCodec(ProtoCodec):
@@ -277,6 +271,11 @@ class EngineClient:
     def closed(self) -> bool:
         """True once :meth:`aclose` has run."""
         return self._closed
+
+    @property
+    def edge(self) -> Edge:
+        """The edge whose loop carries this client's connections (where :meth:`start_generate` is called)."""
+        return self._edge
 
     # ------------------------------------------------------------------ the engine going away (GOAWAY)
 
@@ -456,6 +455,36 @@ class EngineClient:
         except EdgeError as exc:
             raise EngineRpcError("Generate", GrpcCode.UNAVAILABLE, f"the edge loop is gone: {exc}") from exc
         return BatchIterator("Generate", feed)
+
+    def start_generate(
+        self,
+        request: generation_pb2.GenerateRequest,
+        sink: GenerateSink,
+        *,
+        metadata: Sequence[tuple[str, str]] = (),
+        timeout_s: float | None = None,
+    ) -> None:
+        """**On the edge loop thread**: open a ``Generate`` stream whose messages go to ``sink`` on that thread as they
+        arrive, with no trio in between (a request's data path, ``sidecar.datapath``). Never raises: every failure,
+        bad metadata included, ends in ``sink.fail``. ``sink.on_cancel`` resets the stream (RST_STREAM).
+
+        Received straight from the HTTP/2 events (``_direct.py``) with ``direct_receive``, else through grpclib's
+        streams (a task per stream).
+        """
+        try:
+            pairs = list(metadata)
+            check_metadata(pairs)
+            channel = self._pick_channel("Generate")
+        except Exception as exc:
+            sink.fail(exc)
+            return
+        if self._config.direct_receive:
+            start_direct_stream(
+                sink, "Generate", channel, GENERATE_PATH, request, generation_pb2.GenerateResponse, pairs, timeout_s,
+                self._config.max_message_bytes, _note_stream_limit,
+            )  # fmt: skip
+        else:
+            _SinkPump(sink, channel, request, pairs, timeout_s).start()
 
     # ------------------------------------------------------------------ Control
 
@@ -753,6 +782,78 @@ def _aio_start_generate(
         feed, "Generate", channel, GENERATE_PATH, request, generation_pb2.GenerateResponse, metadata, timeout_s,
         max_bytes, _note_stream_limit,
     )  # fmt: skip
+
+
+class _SinkPump:
+    """grpclib's receive path for a loop-side :class:`GenerateSink`: a task iterates the stream and pushes what one
+    loop iteration received as one batch (grpclib returns queued messages without suspending; the flush runs once
+    the task suspends). Pushing past the sink's room parks the task until :meth:`GenerateSink.hold` calls back, which
+    leaves the engine's data unread in grpclib's buffer (HTTP/2 flow control then stops the engine)."""
+
+    __slots__ = ("_batch", "_cancelled", "_room", "_sink", "_stream", "_task")
+
+    def __init__(
+        self,
+        sink: GenerateSink,
+        channel: PooledChannel,
+        request: generation_pb2.GenerateRequest,
+        metadata: list[tuple[str, str]],
+        timeout_s: float | None,
+    ) -> None:
+        self._sink = sink
+        self._stream = _aio_server_stream(
+            "Generate", channel, GENERATE_PATH, request, generation_pb2.GenerateRequest,
+            generation_pb2.GenerateResponse, metadata, timeout_s,
+        )  # fmt: skip
+        self._batch: list[generation_pb2.GenerateResponse] = []
+        self._room: asyncio.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._cancelled = False
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._sink.on_cancel = self._cancel
+
+    def _cancel(self) -> None:
+        self._cancelled = True
+        if self._task is not None:
+            self._task.cancel(msg="the request's data path closed the stream")
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async for message in self._stream:
+                if not self._batch:
+                    loop.call_soon(self._flush)
+                self._batch.append(message)
+                if len(self._batch) >= _MAX_BATCH:
+                    self._flush()
+                    await asyncio.sleep(0)  # a stream that never suspends must still let the loop run
+                if self._room is not None:
+                    await self._room
+        except asyncio.CancelledError:
+            if not self._cancelled:  # the loop is shutting down under the stream
+                self._flush()
+                self._sink.fail_cancelled()
+            raise
+        except Exception as exc:
+            self._flush()
+            self._sink.fail(exc)
+        else:
+            self._flush()
+            self._sink.end()
+
+    def _flush(self) -> None:
+        if self._batch and not self._cancelled:
+            items, self._batch = self._batch, []
+            if not self._sink.push(items) and self._room is None:
+                self._room = asyncio.get_running_loop().create_future()
+                self._sink.hold(self._resume)
+
+    def _resume(self) -> None:
+        room, self._room = self._room, None
+        if room is not None and not room.done():
+            room.set_result(None)
 
 
 async def _aio_unary(

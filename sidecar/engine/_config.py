@@ -59,10 +59,10 @@ class EngineClientConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_key_password_file: Path | None = None
-    #: Receive ``Generate`` straight from the HTTP/2 events (``_direct.py``) instead of through grpclib's streams:
-    #: ~37 % less client CPU per message in isolation, but end to end on two shared cores it made the sidecar's
-    #: batches smaller and its CPU per token higher (docs/performance.md, third pass); off until that is understood.
-    direct_receive: bool = False
+    #: Receive ``Generate`` straight from the HTTP/2 events (``_direct.py``) instead of through grpclib's streams (a
+    #: ``Stream``, a buffer and a task per stream, woken per message): on the loop-resident data path ~30 % less CPU
+    #: per engine message (docs/architecture.md, *The data path*). ``--grpc-receive grpclib`` turns it off.
+    direct_receive: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.endpoint, Endpoint):

@@ -1,7 +1,8 @@
 """``Generate`` streams received straight from the HTTP/2 events: no grpclib stream, buffer or task per message.
 
-Opt-in (``EngineClientConfig.direct_receive``): ~37 % less client CPU per message in isolation, but end to end on two
-shared cores its smaller batches cost more downstream than it saves (docs/performance.md, third pass).
+The default receive path (``EngineClientConfig.direct_receive``, ``--grpc-receive direct``): on the loop-resident
+data path it costs about a third less CPU per engine message than grpclib's streams (docs/architecture.md, *The data
+path*).
 
 grpclib still owns the connection (``PooledChannel`` made with ``direct=True``: connecting, TLS, keepalive, GOAWAY,
 h2); what it no longer does for these streams is the per-message part. There, grpclib queued every DATA frame in
@@ -9,9 +10,9 @@ the stream's ``Buffer``, and a task per stream woke for every message to read it
 pump task forwarded each to trio -- about a third of the sidecar's CPU per engine message (docs/performance.md).
 Here the processor hands a stream's events to its :class:`DirectStream` (a ``sidecar.http2.DirectSink``), which cuts
 the gRPC messages out of the DATA as it arrives, decodes them (upb), and at the end of the read hands everything that
-reads of one loop iteration brought for the stream to trio in one :meth:`~sidecar.edge.Feed.push`. Everything it
-does to the HTTP/2 stream goes through its ``sidecar.http2.StreamLink``: this module touches no grpclib or h2
-internals.
+reads of one loop iteration brought for the stream to its consumer in one ``push`` (:class:`._sink.GenerateSink`:
+the request's data path on the loop, or ``Edge.open_feed`` towards trio). Everything it does to the HTTP/2 stream
+goes through its ``sidecar.http2.StreamLink``: this module touches no grpclib or h2 internals.
 
 What grpclib did and this keeps, each tested in ``tests/engine/test_direct.py``:
 
@@ -49,8 +50,7 @@ from ._status import to_engine_rpc_error
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
-    from sidecar.edge import Feed
-
+    from ._sink import GenerateSink
     from ._transport import PooledChannel
 
 __all__ = ["DirectStream", "start_direct_stream"]
@@ -63,7 +63,7 @@ Ts = TypeVarTuple("Ts")
 
 
 def start_direct_stream(
-    feed: Feed[Any],
+    feed: GenerateSink,
     rpc: str,
     channel: PooledChannel,
     path: str,
@@ -109,7 +109,7 @@ class DirectStream(DirectSink):
                  "rpc")  # fmt: skip
 
     def __init__(
-        self, feed: Feed[Any], rpc: str, channel: PooledChannel, response_type: type[Any], max_bytes: int
+        self, feed: GenerateSink, rpc: str, channel: PooledChannel, response_type: type[Any], max_bytes: int
     ) -> None:
         super().__init__()
         self._feed: Final = feed

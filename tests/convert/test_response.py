@@ -516,6 +516,41 @@ def test_a_stop_string_completed_by_the_first_token_of_an_output_joins_its_finis
     assert m.awaits_terminal(m.map([token(1, 8)])), "each output's first token"
 
 
+@pytest.mark.parametrize(
+    ("texts", "stopped_at"),
+    [
+        ([" The", " the"], 1),  # inside a token: " th" in " the"
+        ([" a", " t", "his"], 2),  # across tokens: " t" + "h"
+        ([" The", " ri", "ver"], None),  # never
+        ([" th"], 0),  # exactly a token
+    ],
+    ids=["inside a token", "across tokens", "no match", "a whole token"],
+)
+def test_the_frontends_stop_string_match_on_the_engines_text_ends_the_output(
+    texts: list[str], stopped_at: int | None
+) -> None:
+    """Issue 27 item 4(c): the frontend ends the answer at the token whose text completes a stop string, inside a
+    token too; an engine matching stop strings as token sequences goes on. The mapper sees the same match in the
+    engine's text: that chunk awaits the terminal, what follows is dropped, and the terminal -- whatever the engine's
+    reason -- closes the output with ``stop``, the stop string and the client's token count."""
+    m = holding_mapper(stop_strings=(" th",))
+    held: list[dict[str, Any]] = []
+    for i, text in enumerate(texts):
+        chunks = m.map([text_event(0, 10 + i, text)], carry=held)
+        held = chunks if m.awaits_terminal(chunks) else []
+        assert m.ends_at_stop_string == (stopped_at is not None and i >= stopped_at)
+    if stopped_at is None:
+        return
+    assert m.stop_string == " th"
+    assert m.map([text_event(0, 99, " river")], carry=held) == held, "past the stop: dropped"
+    engine_usage = usage(3, len(texts) + 1, cached_prompt_tokens=2)
+    [final] = m.map([finished(0, generation_pb2.FINISH_REASON_CANCELLED, with_usage=engine_usage)], carry=held)
+    assert final["token_ids"][-1] == 10 + stopped_at
+    assert (final["finish_reason"], final["stop_reason"]) == ("stop", " th")
+    assert final["completion_usage"]["completion_tokens"] == stopped_at + 1
+    assert final["completion_usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
 def test_without_stop_strings_text_does_not_matter() -> None:
     m = holding_mapper()
     m.map([text_event(0, 6, "The")])

@@ -22,7 +22,7 @@ from sidecar.dynamo import RequestContext
 from sidecar.errors import DynamoErrorKind, EngineFailure, HandoffMissing, WorkerDraining
 from sidecar.requests import HungEngine, RequestServer, ServingContext
 from tests.disagg.test_handoff import engine_session
-from tests.helpers.scripted_engine import RID, Recorder, ScriptedEngine, Step, caps, collect, finished, token
+from tests.helpers.scripted_engine import RID, Recorder, ScriptedEngine, Step, caps, collect, finished, serve, token
 
 Clock = trio.testing.MockClock
 
@@ -62,7 +62,7 @@ async def stopped_client(srv: RequestServer, body: dict[str, Any], stop_after: f
     """Run the request as a client that goes away after ``stop_after`` s; returns (chunks seen, end time)."""
     out: list[Any] = []
     with trio.move_on_after(stop_after):
-        async for batch in srv.handle(body, RequestContext(request_id=RID)):
+        async for batch in serve(srv, body, RequestContext(request_id=RID)):
             out.extend(batch)
     return out, trio.current_time()
 

@@ -33,12 +33,14 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from sidecar.dynamo import DynamoSettings, DynamoWorker, Registration, RequestContext, open_dynamo
+from sidecar.dynamo import ChunkSink, DynamoSettings, DynamoWorker, Registration, RequestContext, open_dynamo
 from sidecar.edge import open_edge
 from sidecar.errors import DynamoErrorKind, EngineGone, RequestRejected, SidecarError, WorkerDraining
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
+
+    from sidecar.edge import Edge
 
 
 def say(*parts: object) -> None:
@@ -73,10 +75,30 @@ def parse_annotations(ctx: RequestContext) -> dict[str, str]:
 
 
 class Echo:
-    def __init__(self, tag: str) -> None:
+    def __init__(self, tag: str, edge: Edge) -> None:
         self.tag = tag
+        self.edge = edge
 
-    async def handle(self, request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[list[dict[str, Any]]]:
+    async def handle(self, request: dict[str, Any], ctx: RequestContext, outbox: ChunkSink) -> None:
+        """The adapter's handler: each batch of :meth:`batches` goes to the outbox on the edge loop; a stop from
+        Dynamo cancels it; an exception reaches the adapter, which fails the outbox with it."""
+        edge = self.edge
+        with trio.CancelScope() as scope:
+
+            def stop() -> None:
+                edge.to_trio(scope.cancel)
+
+            def watch() -> None:
+                outbox.on_stop = stop
+                if outbox.stopped:
+                    stop()
+
+            edge.to_loop(watch)
+            async for batch in self.batches(request, ctx):
+                edge.to_loop(outbox.deliver, batch)
+            edge.to_loop(outbox.end)
+
+    async def batches(self, request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[list[dict[str, Any]]]:
         opts = parse_annotations(ctx)
         say("REQ", self.tag, ctx.request_id, f"annotations={list(ctx.annotations)}", f"trace={ctx.trace_headers}")
         prompt: list[int] = list(request.get("token_ids") or [1])
@@ -166,9 +188,9 @@ async def main(args: argparse.Namespace) -> None:
         max_num_seqs=64,
         runtime_data={"openengine_engine": "echo", "tag": args.tag},
     )
-    echo = Echo(args.tag)
     t0 = time.monotonic()
     async with open_edge() as edge, open_dynamo(edge, settings) as worker:
+        echo = Echo(args.tag, edge)
         t_runtime = time.monotonic() - t0
         async with trio.open_nursery() as nursery:
             t1 = time.monotonic()

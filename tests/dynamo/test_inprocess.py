@@ -25,6 +25,7 @@ from sidecar.dynamo import (
     open_dynamo,
 )
 from sidecar.edge import open_edge
+from tests.helpers.handlers import batches_handler
 from tests.helpers.waits import wait_until
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ async def test_lifecycle_with_in_memory_discovery(model_dir: Path) -> None:
             settings = DynamoSettings(discovery_backend="mem", namespace=f"inproc{round_}")
             async with open_edge() as edge, open_dynamo(edge, settings) as worker, trio.open_nursery() as nursery:
                 assert await worker.registration_present()  # nothing published yet: nothing missing
-                await worker.serve(nursery, handler)
+                await worker.serve(nursery, batches_handler(edge, handler))
                 await worker.register(reg)
                 await worker.register(reg)  # idempotent
                 assert worker.registration == reg
@@ -73,7 +74,7 @@ async def test_a_changed_card_replaces_the_published_one_whole(
     settings = DynamoSettings(discovery_backend="file", namespace="cards")
     with trio.fail_after(20):
         async with open_edge() as edge, open_dynamo(edge, settings) as worker, trio.open_nursery() as nursery:
-            await worker.serve(nursery, handler)
+            await worker.serve(nursery, batches_handler(edge, handler))
             await worker.register(old)
             await worker.register_lora("tiny-lora")
             _, card = file_discovery_keys(settings, worker.instance_id)
@@ -102,10 +103,10 @@ async def test_another_model_on_the_same_endpoint_is_refused_naming_the_flags(
     settings = DynamoSettings(discovery_backend="file", namespace="conflict")
     with trio.fail_after(20):
         async with open_edge() as edge, open_dynamo(edge, settings) as first, trio.open_nursery() as nursery:
-            await first.serve(nursery, handler)
+            await first.serve(nursery, batches_handler(edge, handler))
             await first.register(Registration(model_path=str(model_dir), served_model_name="tiny-oe"))
             async with open_dynamo(edge, settings) as second:
-                await second.serve(nursery, handler)
+                await second.serve(nursery, batches_handler(edge, handler))
                 other = Registration(model_path=str(model_dir), served_model_name="y", aliases=("tiny-oe",))
                 with pytest.raises(RegistrationRefused) as refused:
                     await second.register(other)

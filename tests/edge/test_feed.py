@@ -10,11 +10,11 @@ import pytest
 import trio
 import trio.testing
 
-from sidecar.edge import Edge, EdgeClosed, Feed, StreamIdle, open_edge
+from sidecar.edge import Edge, EdgeClosed, Feed, open_edge
 from tests.helpers.waits import wait_until
 
 if TYPE_CHECKING:
-    from sidecar.edge import BatchStream, FeedStream
+    pass
 
 TIMEOUT = 10
 
@@ -126,88 +126,3 @@ async def test_an_open_feed_fails_edge_closed_when_the_loop_shuts_down() -> None
             with pytest.raises(EdgeClosed):
                 await stream.__anext__()
             await stream.__aexit__(None, None, None)
-
-
-async def test_a_watched_feed_raises_stream_idle_in_a_waiting_consumer_and_stays_open(edge: Edge) -> None:
-    pushes: list[Feed[int]] = []
-
-    def start(feed: Feed[int]) -> None:
-        pushes.append(feed)
-        feed.push([1])
-
-    async def push_later(value: int) -> None:
-        await edge.run(_push, pushes[0], value)
-
-    with trio.fail_after(TIMEOUT):
-        async with edge.open_feed(start) as batches:
-            batches.watch_idle(0.2)
-            assert await batches.__anext__() == [1]
-            started = trio.current_time()
-            with pytest.raises(StreamIdle):
-                await batches.__anext__()
-            assert trio.current_time() - started >= 0.15
-            await push_later(2)  # still open: what comes later is delivered
-            assert await batches.__anext__() == [2]
-
-
-async def test_pushes_keep_a_watched_feed_from_going_idle(edge: Edge) -> None:
-    with trio.fail_after(TIMEOUT):
-        async with edge.open_feed(pusher([[i] for i in range(12)], delay=0.05)) as batches:
-            batches.watch_idle(0.3)
-            got = [item async for batch in batches for item in batch]
-    assert got == list(range(12))
-
-
-async def test_interrupt_raises_in_a_waiting_consumer_only(edge: Edge) -> None:
-    def start(feed: Feed[int]) -> None:
-        feed.push([1])
-
-    boom = RuntimeError("worker says stop")
-    with trio.fail_after(TIMEOUT):
-        async with edge.open_feed(start) as batches:
-            batches.interrupt(boom)  # nobody waits: nothing happens
-            assert await batches.__anext__() == [1]
-            assert await _interrupt_while_waiting(batches, boom) == [boom]
-
-
-async def _interrupt_while_waiting(batches: BatchStream[int] | FeedStream[int], error: BaseException) -> list[object]:
-    """Interrupt a consumer parked in ``__anext__``; what it raised."""
-    caught: list[object] = []
-
-    async def wait() -> None:
-        try:
-            await batches.__anext__()
-        except RuntimeError as exc:
-            caught.append(exc)
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(wait)
-        await trio.testing.wait_all_tasks_blocked()  # the waiter waits for a batch
-        batches.interrupt(error)
-    return caught
-
-
-async def _push(feed: Feed[int], value: int) -> None:
-    feed.push([value])
-
-
-async def _slow_source(first: int, pause: float, then: int) -> Any:
-    yield first
-    # Not a synchronisation: the source's own pace.
-    await asyncio.sleep(pause)
-    yield then
-
-
-async def test_open_stream_watches_its_silence_and_can_be_interrupted(edge: Edge) -> None:
-    """The pump-based stream (``open_stream``) offers the same: StreamIdle in a waiting consumer, and interrupt."""
-    with trio.fail_after(TIMEOUT):
-        async with edge.open_stream(_slow_source, 1, 0.32, 2) as batches:
-            batches.watch_idle(0.2)
-            assert await batches.__anext__() == [1]
-            with pytest.raises(StreamIdle):
-                await batches.__anext__()
-            assert await batches.__anext__() == [2]  # still open
-        async with edge.open_stream(_slow_source, 1, 5.0, 2) as batches:
-            assert await batches.__anext__() == [1]
-            boom = RuntimeError("worker says stop")
-            assert await _interrupt_while_waiting(batches, boom) == [boom]

@@ -31,6 +31,7 @@ from sidecar.engine import EngineClient
 from sidecar.errors import DynamoErrorKind, EngineFailure, EngineRpcError, SidecarError
 from sidecar.requests import RequestServer, ServingContext
 from sidecar.testing.mock.lm import TinyLM
+from tests.helpers.scripted_engine import serve
 
 from .conftest import MockEngine, connected_client, start_mock
 
@@ -79,12 +80,12 @@ def body(token_ids: list[int], *, max_tokens: int, script: list[int] | None = No
 
 
 async def run(
-    server: RequestServer, request: dict[str, Any], rid: str
+    edge: Edge, server: RequestServer, request: dict[str, Any], rid: str
 ) -> tuple[list[dict[str, Any]], BaseException | None]:
     """The chunks a client got, and the error that ended the request (None when it completed)."""
     chunks: list[dict[str, Any]] = []
     try:
-        async for batch in server.handle(request, RequestContext(request_id=rid)):
+        async for batch in serve(server, request, RequestContext(request_id=rid), edge=edge):
             chunks.extend(batch)
     except SidecarError as exc:
         return chunks, exc
@@ -131,7 +132,7 @@ async def test_the_prompt_logprob_error_reaches_the_client_and_nothing_after_it_
             seen = [e.WhichOneof("event") for e in await engine_events(client, raw)]
             assert seen[0] == "error"
             assert seen[-1] == "finished", f"the engine streams on after its error: {seen}"
-            chunks, error = await run(server, request, "after-error")
+            chunks, error = await run(edge, server, request, "after-error")
             assert chunks == [], "nothing after the error reaches the client"
             assert isinstance(error, EngineFailure), error
             assert error.code.name == "INVALID_ARGUMENT"
@@ -167,7 +168,7 @@ async def test_text_only_token_events_add_nothing_and_the_answer_is_whole(
             text_only = [e for e in events if e.WhichOneof("event") == "token" and not e.token.tokens]
             assert text_only, "the engine sent token events with only text"
             assert all(e.token.text for e in text_only)
-            chunks, error = await run(server, request, f"text-only-{finish}")
+            chunks, error = await run(edge, server, request, f"text-only-{finish}")
             assert error is None, error
             assert token_ids(chunks) == script[:kept]
             assert all(chunk["token_ids"] or "finish_reason" in chunk for chunk in chunks), "an empty chunk"
@@ -189,7 +190,7 @@ async def test_an_output_ended_by_eos_gives_the_client_the_visible_tokens_and_th
     request = body([5, 6, 7], max_tokens=16, script=[*script, eos])
     with trio.fail_after(60):
         async with trtllm_worker(edge) as (_, _client, server):
-            chunks, error = await run(server, request, "eos")
+            chunks, error = await run(edge, server, request, "eos")
     assert error is None, error
     assert token_ids(chunks) == script, "no EOS id among the client's tokens"
     final = chunks[-1]
@@ -214,7 +215,7 @@ async def test_a_stream_cut_at_the_end_of_the_grace_fails_as_a_migratable_discon
 
     async def client(server: RequestServer) -> None:
         try:
-            async for batch in server.handle(request, RequestContext(request_id="cut")):
+            async for batch in serve(server, request, RequestContext(request_id="cut"), edge=edge):
                 chunks.extend(batch)
         except SidecarError as exc:
             outcome.append(exc)

@@ -21,7 +21,7 @@ from tests.helpers.processes import DynamoEnv, Frontend
 from tests.helpers.stack import metric_sum, mock_stats, start_engine, start_sidecar, wait_routable
 from tests.helpers.waits import wait_until
 
-from ._natural import PROMPTS, natural_stops, run_all, worker_metrics
+from ._natural import ENDED, PROMPTS, natural_stops, run_all, worker_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -41,6 +41,44 @@ async def test_two_hundred_natural_stops_with_a_split_finish_are_finishes_withou
         ):
             await wait_routable(frontend.url, workers=1)
             await natural_stops(frontend.url, engine, worker, eos=120, stops=80)
+
+
+# ------------------------------------------------ issue 27 item 4(c): a stop string matched inside a token
+
+
+async def test_a_stop_string_the_frontend_matches_inside_a_token_ends_the_answer_with_its_usage(
+    dynamo_env: DynamoEnv, frontend: Frontend
+) -> None:
+    """TensorRT-LLM matches stop strings as token sequences: " th" (one token) never matches inside " the" (another
+    token), so the engine goes on, while the frontend matches " th" in the text of " the" and ends the answer there.
+    The answer is complete for the client: it must be counted a finish (the frontend's stop string ended it, not the
+    client), and its usage must carry the engine's ``cached_tokens``. Failed before: every such request was counted
+    ``cancelled`` ("stopped by the client"), with usage the frontend made up without ``cached_tokens``."""
+    bodies = [
+        {"prompt": f"{PROMPTS[i % 6]} {i}", "max_tokens": 40, "temperature": 0, "stop": [" th"]} for i in range(12)
+    ]
+    with trio.fail_after(300):
+        async with (
+            start_engine(dynamo_env, "--profile", "trtllm", "--decode-ms-per-token", "10") as engine,
+            start_sidecar(dynamo_env, engine.address) as worker,
+        ):
+            await wait_routable(frontend.url, workers=1)
+            before = await worker_metrics(worker.system_url)
+            answers = await run_all(frontend.url, bodies, concurrency=4)
+            await trio.sleep(1.0)  # the last requests' ends reach the metrics
+            after = await worker_metrics(worker.system_url)
+            log = worker.process.log()
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+    assert all(" th" not in a.text for a in answers), "the frontend ends every answer before its stop string"
+    assert all(a.complete for a in answers), [a for a in answers if not a.complete][:2]
+    assert sum(not a.cached_tokens for a in answers) == 0, "usage lost its cached_tokens"
+    assert delta(ENDED, outcome="cancelled") == 0, "a complete answer counted as cancelled"
+    assert delta(ENDED, outcome="finished") == len(bodies)
+    assert "stopped by the client" not in log
+    assert "matched by the frontend" in log, "the answers ended inside a token say their stop string ended them"
 
 
 # -------------------------------------------------------------------------- item 8: no wasted detokenization

@@ -50,13 +50,14 @@ from sidecar.kv._load import poll_load
 from sidecar.requests import HungEngine
 from sidecar.worker import Worker
 from statemachines import WORKER, WorkerLifecycle
+from tests.helpers.scripted_engine import LoopSideGenerate, serve
 from tests.helpers.waits import wait_until
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "sidecar" / "testing" / "mock" / "model"
 Clock = trio.testing.MockClock
 
 
-class Engine:
+class Engine(LoopSideGenerate):
     """The engine behind the worker's client: it can go down, come back as a new instance with other capabilities,
     and stop producing while its Health stays READY."""
 
@@ -304,7 +305,7 @@ def body(**sampling: Any) -> dict[str, Any]:
 
 async def complete(worker: Worker, request: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    async for batch in worker.requests.handle(request, RequestContext(request_id=request_id)):
+    async for batch in serve(worker.requests, request, RequestContext(request_id=request_id)):
         out.extend(batch)
     return out
 

@@ -5,13 +5,18 @@
 opened requests and their metadata, streams closed before their end, and aborts. Its ``abort`` reaches a
 checkpoint **before** it records the id, as a real RPC would: an Abort sent from a cancelled task without a shield
 never arrives, so a test asserting the abort catches an unshielded one.
+
+The request's data path (``sidecar.datapath``) runs on the edge loop in production. Here its loop is trio itself
+(:class:`TrioEdge`: posts are ``run_sync_soon``, timers are system tasks on trio's clock), so the same code runs in
+virtual time; the engine's stream is played into the path (``start_generate``) and the outbox is :class:`TrioSink`,
+which a test reads through :func:`serve` as a client that keeps up would.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
@@ -33,16 +38,23 @@ from sidecar.dynamo import RequestContext
 from sidecar.requests import RequestServer
 from statemachines import REQUEST, RequestLifecycle
 
+if TYPE_CHECKING:
+    from sidecar.edge import Edge
+
 __all__ = [
     "RID",
+    "LoopSideGenerate",
     "Recorder",
     "ScriptedEngine",
     "Step",
+    "TrioEdge",
+    "TrioSink",
     "caps",
     "collect",
     "error",
     "finished",
     "recorder",
+    "serve",
     "token",
 ]
 
@@ -52,7 +64,214 @@ RID = "req-1"
 Step = tuple[float, "list[pb.GenerateResponse] | BaseException | None"]
 
 
-class ScriptedEngine:
+class _Timer:
+    """A timer of :class:`TrioLoop`: a system task sleeping until ``when`` on trio's clock."""
+
+    def __init__(self, when: float, callback: Callable[..., object], args: tuple[Any, ...]) -> None:
+        self._scope = trio.CancelScope()
+        trio.lowlevel.spawn_system_task(self._run, when, callback, args)
+
+    async def _run(self, when: float, callback: Callable[..., object], args: tuple[Any, ...]) -> None:
+        with self._scope:
+            await trio.sleep_until(when)
+            callback(*args)
+
+    def cancel(self) -> None:
+        self._scope.cancel()
+
+
+class TrioLoop:
+    """What a data path uses of its event loop (``sidecar.datapath.Loop``), on trio's (virtual) clock."""
+
+    def time(self) -> float:
+        return trio.current_time()
+
+    def call_at(self, when: float, callback: Callable[..., object], *args: Any) -> _Timer:
+        return _Timer(when, callback, args)
+
+
+class TrioEdge:
+    """The edge of the request tests: the "loop" is trio itself; both directions post with ``run_sync_soon`` (in
+    order, never inline, as the real crossings)."""
+
+    def __init__(self) -> None:
+        self.loop = TrioLoop()
+        self._token = trio.lowlevel.current_trio_token()
+
+    def to_loop(self, fn: Callable[..., object], *args: Any) -> bool:
+        self._token.run_sync_soon(fn, *args)
+        return True
+
+    to_trio = to_loop
+
+
+class TrioSink:
+    """The outbox of the request tests (``sidecar.dynamo.ChunkSink``): every delivery is one batch for the reader,
+    which keeps up (nothing is merged); :meth:`stop` is Dynamo stopping the request."""
+
+    def __init__(self) -> None:
+        self.on_stop: Callable[[], None] | None = None
+        self._batches: list[list[dict[str, Any]]] = []
+        self._outcome: BaseException | bool | None = None  # True: ended; an exception: failed
+        self._stopped = False
+        self._wake = trio.Event()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    @property
+    def has_room(self) -> bool:
+        return True
+
+    def deliver(self, chunks: list[dict[str, Any]]) -> None:
+        if self._outcome is None and not self._stopped:
+            self._batches.append(list(chunks))
+            self._wake.set()
+
+    def when_room(self, callback: Callable[[], None]) -> None:
+        callback()
+
+    def end(self) -> None:
+        if self._outcome is None:
+            self._outcome = True
+            self._wake.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self._outcome is None:
+            self._outcome = error
+            self._wake.set()
+
+    def stop(self) -> None:
+        if self._outcome is None and not self._stopped:
+            self._stopped = True
+            if self.on_stop is not None:
+                self.on_stop()
+
+    async def read(self) -> AsyncIterator[list[dict[str, Any]]]:
+        while True:
+            if self._batches:
+                yield self._batches.pop(0)
+                continue
+            outcome = self._outcome
+            if isinstance(outcome, BaseException):
+                raise outcome
+            if outcome:
+                return
+            self._wake = trio.Event()
+            await self._wake.wait()
+
+
+class EdgeSink:
+    """A :class:`TrioSink` behind a real edge (a server whose engine client runs on the edge loop): the data path
+    calls this outbox on the loop, and each call is posted to trio in order; a stop from the reader reaches the
+    producer's ``on_stop`` on the loop, as Dynamo's does."""
+
+    def __init__(self, edge: Edge, inner: TrioSink) -> None:
+        self.on_stop: Callable[[], None] | None = None
+        self._edge = edge
+        self._inner = inner
+        self._stopped = False
+        inner.on_stop = self._stop_from_trio
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    @property
+    def has_room(self) -> bool:
+        return True
+
+    def deliver(self, chunks: list[dict[str, Any]]) -> None:
+        self._edge.to_trio(self._inner.deliver, list(chunks))
+
+    def when_room(self, callback: Callable[[], None]) -> None:
+        callback()
+
+    def end(self) -> None:
+        self._edge.to_trio(self._inner.end)
+
+    def fail(self, error: BaseException) -> None:
+        self._edge.to_trio(self._inner.fail, error)
+
+    def _stop_from_trio(self) -> None:
+        self._edge.to_loop(self._stop)
+
+    def _stop(self) -> None:
+        if not self._stopped:
+            self._stopped = True
+            if self.on_stop is not None:
+                self.on_stop()
+
+
+async def serve(
+    server: RequestServer, body: dict[str, Any], ctx: RequestContext | None = None, *, edge: Edge | None = None
+) -> AsyncIterator[list[dict[str, Any]]]:
+    """Run one request as the Dynamo adapter does (its task apart from the reader's) and yield its batches as a client
+    that keeps up reads them; leaving early stops the request (the client went away) and waits for its end. With
+    ``edge``, the server's data path runs on that real edge's loop (:class:`EdgeSink`)."""
+    reader = TrioSink()
+    sink: TrioSink | EdgeSink = reader if edge is None else EdgeSink(edge, reader)
+    done = trio.Event()
+
+    async def task() -> None:
+        try:
+            await server.handle(body, ctx if ctx is not None else RequestContext(request_id=RID), sink)
+        except Exception as exc:  # what the adapter does with an exception (WorkerDraining: not serving)
+            sink.fail(exc)
+        finally:
+            done.set()
+
+    trio.lowlevel.spawn_system_task(task)
+    try:
+        async for batch in reader.read():
+            yield batch
+    finally:
+        reader.stop()
+        with trio.CancelScope(shield=True):
+            await done.wait()
+
+
+class LoopSideGenerate:
+    """What a fake engine client with a trio ``generate`` (an async context manager of batches) needs for a request's
+    data path: ``edge`` (a :class:`TrioEdge`) and the loop-side ``start_generate``, which plays its ``generate`` into
+    the sink from a task of its own (leaving the stream early is the sink's ``on_cancel``)."""
+
+    _edge: TrioEdge | None = None
+
+    @property
+    def edge(self) -> TrioEdge:
+        if self._edge is None:
+            self._edge = TrioEdge()
+        return self._edge
+
+    def generate(
+        self, request: pb.GenerateRequest, *, metadata: Sequence[tuple[str, str]] = ()
+    ) -> AbstractAsyncContextManager[AsyncIterator[list[pb.GenerateResponse]]]:
+        raise NotImplementedError
+
+    def start_generate(
+        self, request: pb.GenerateRequest, sink: Any, *, metadata: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        scope = trio.CancelScope()
+        sink.on_cancel = scope.cancel
+        trio.lowlevel.spawn_system_task(self._play, request, metadata, sink, scope)
+
+    async def _play(
+        self, request: pb.GenerateRequest, metadata: Sequence[tuple[str, str]], sink: Any, scope: trio.CancelScope
+    ) -> None:
+        with scope:
+            try:
+                async with self.generate(request, metadata=metadata) as stream:
+                    async for batch in stream:
+                        sink.push(batch)
+            except Exception as exc:
+                sink.fail(exc)
+            else:
+                sink.end()
+
+
+class ScriptedEngine(LoopSideGenerate):
     """Plays a scripted Generate stream (the same script for every request) and records what the engine saw."""
 
     def __init__(self, script: Sequence[Step], *, health: HealthState = HealthState.READY) -> None:
@@ -77,6 +296,37 @@ class ScriptedEngine:
         finally:
             if not stream.finished:
                 self.stream_closed_early += 1
+
+    def start_generate(
+        self, request: pb.GenerateRequest, sink: Any, *, metadata: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        """The loop-side Generate: the script is played into ``sink``; a reset before its end is counted at once (the
+        engine sees the RST_STREAM when the path closes, not when the playing task gets round to unwinding)."""
+        self.opened.append(request)
+        self.metadata.append(tuple(metadata))
+        stream = _ScriptedStream(self.script, request.request_id)
+        scope = trio.CancelScope()
+
+        def reset() -> None:
+            if not stream.finished:
+                stream.finished = True
+                self.stream_closed_early += 1
+            scope.cancel()
+
+        sink.on_cancel = reset
+        trio.lowlevel.spawn_system_task(self._play_script, stream, sink, scope)
+
+    @staticmethod
+    async def _play_script(stream: _ScriptedStream, sink: Any, scope: trio.CancelScope) -> None:
+        with scope:
+            try:
+                async for batch in stream:
+                    sink.push(batch)
+            except Exception as exc:
+                stream.finished = True
+                sink.fail(exc)
+            else:
+                sink.end()
 
     async def abort(self, request_id: str, *, timeout_s: float | None = None) -> AbortResponse:
         # A real Abort is an RPC: its first await is where an unshielded, cancelled caller stops.
@@ -218,6 +468,6 @@ def recorder() -> Iterator[Recorder]:
 async def collect(server: RequestServer, body: dict[str, Any], request_id: str = RID) -> list[dict[str, Any]]:
     """Run one request to its end as a client that reads everything; returns every chunk."""
     out: list[dict[str, Any]] = []
-    async for batch in server.handle(body, RequestContext(request_id=request_id)):
+    async for batch in serve(server, body, RequestContext(request_id=request_id)):
         out.extend(batch)
     return out

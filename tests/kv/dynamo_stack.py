@@ -20,6 +20,7 @@ from sidecar.engine import EngineClient, EngineClientConfig, open_engine_client
 from sidecar.kv import RoutingConfig, RoutingPlan, discover_routing
 from sidecar.kv._convert import decode_block_hash
 from tests.engine.conftest import start_mock
+from tests.helpers.handlers import batches_handler
 from tests.helpers.stack import MODEL, MODEL_DIR
 
 
@@ -60,7 +61,7 @@ async def registered_worker(
     settings = DynamoSettings(discovery_backend="mem", namespace=namespace)
     registration = Registration(model_path=str(MODEL_DIR), served_model_name=MODEL, context_length=context_length)
     async with open_dynamo(edge, settings) as dynamo, trio.open_nursery() as nursery:
-        await dynamo.serve(nursery, _one_token)
+        await dynamo.serve(nursery, batches_handler(edge, _one_token))
         await dynamo.register(plan.registration(registration))
         yield dynamo, nursery
 
