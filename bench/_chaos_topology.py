@@ -353,6 +353,7 @@ class Topology:
                 [
                     sys.executable, "-m", "sidecar", "--grpc-endpoint", endpoint, "--model-path", str(MODEL_DIR),
                     "--served-model-name", model, *self.plane_flags(), *SIDECAR_FLAGS, *sidecar_args,
+                    "--dynamo-system-port", str(free_low_port()),  # below 32768, as every server of the run
                 ]
             )  # fmt: skip
 

@@ -55,6 +55,7 @@ from tests.helpers.processes import (
     Frontend,
     Process,
     dynamo_env,
+    free_low_port,
     start_frontend,
     start_process,
     wait_for_model,
@@ -371,6 +372,7 @@ async def start_sidecar(
     argv = [
         sys.executable, "-m", "sidecar", "--grpc-endpoint", stack.mock_target, "--model-path", str(MODEL_DIR),
         "--served-model-name", MODEL_B, "--log-level", "warning",
+        "--dynamo-system-port", str(free_low_port()),  # loopback tools keep below 32768 (the OS would pick above)
     ]  # fmt: skip
     stack.sidecar = await stack_exit.enter_async_context(
         start_process(argv, stack.denv.worker_env(), log_path=stack.denv.log_path("sidecar"), stop_grace=10)
