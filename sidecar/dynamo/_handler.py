@@ -2,7 +2,7 @@
 
 Per request, on the edge loop thread::
 
-    Dynamo ──▶ generate(request, context) → outbox      the asyncio async iterator Dynamo iterates
+    Dynamo ──▶ generate(request, context) → outbox      the asyncio async iterator Dynamo iterates (via _Reader)
                   ▲ deliver / end / fail                 the request's data path (sidecar.datapath), on this thread
                edge.to_trio ──▶ handler(request, ctx, outbox)   a trio task in the worker's request nursery
                   ▲ stop
@@ -185,9 +185,10 @@ class _Outbox:
         """What an async generator's ``aclose`` did: the request is over for the reader, so stop it."""
         self.stop("the asyncio consumer closed the stream")
 
-    def __del__(self) -> None:
-        # Dynamo dropped the iterator before its end without stopping the context (not seen, but then nobody would
-        # ever stop the request): take the request down. Any thread may run this, hence call_soon_threadsafe.
+    def dropped(self) -> None:
+        """Dynamo let go of the iterator (:class:`_Reader`): if that was before the end, nobody reads this request
+        any more, so stop it. Any thread may run this (a finalizer), hence ``call_soon_threadsafe``; ``stop`` checks
+        the outcome again on the loop."""
         if self.outcome is None:
             with suppress(RuntimeError):  # the loop has closed
                 self._loop.call_soon_threadsafe(self.stop, "the asyncio consumer dropped the stream")
@@ -232,6 +233,31 @@ class _Outbox:
             on_room()
 
 
+class _Reader:
+    """The async iterator Dynamo holds -- and only Dynamo: the producer, the trio task and the loop hold the
+    :class:`_Outbox` behind it, so this object dies exactly when Dynamo lets go. Dynamo 1.6.1 does so without
+    stopping the context when it cannot publish a chunk to a frontend that gave up on the request (a request the NATS
+    request plane delivered after a partition: its first publish fails at once); its finalizer then stops the
+    request, which would otherwise run to its end for nobody and count as finished."""
+
+    __slots__ = ("_outbox",)
+
+    def __init__(self, outbox: _Outbox) -> None:
+        self._outbox = outbox
+
+    def __aiter__(self) -> _Reader:
+        return self
+
+    def __anext__(self) -> asyncio.Future[dict[str, Any]]:
+        return self._outbox.__anext__()
+
+    async def aclose(self) -> None:
+        await self._outbox.aclose()
+
+    def __del__(self) -> None:
+        self._outbox.dropped()
+
+
 def request_context(request: dict[str, Any], context: Context) -> RequestContext:
     """Dynamo's context id, W3C trace headers and ``nvext.annotations`` for the trio handler."""
     headers = context.trace_headers() or {}
@@ -257,11 +283,11 @@ def make_handler(
 
     loop = edge.loop
 
-    def generate(request: dict[str, Any], context: Context) -> _Outbox:
+    def generate(request: dict[str, Any], context: Context) -> _Reader:
         # Called on one of Dynamo's threads, not on the loop: everything that needs the loop starts there.
         outbox = _Outbox(loop)
         loop.call_soon_threadsafe(_start, outbox, request, context)
-        return outbox
+        return _Reader(outbox)
 
     def _start(outbox: _Outbox, request: dict[str, Any], context: Context) -> None:
         try:

@@ -7,6 +7,7 @@ cancel the trio task), and the exact exception each failure becomes.
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any
 
 import dynamo.llm.exceptions as dx
@@ -186,6 +187,21 @@ async def test_closing_the_generator_cancels_the_trio_task() -> None:
             agen, _ = await start(edge, nursery, probe)
             await take(edge, agen, 3)
             await edge.run(agen.aclose)
+            with trio.fail_after(1):
+                await probe.cancelled.wait()
+
+
+async def test_dropping_the_iterator_before_its_end_cancels_the_trio_task() -> None:
+    """Dynamo 1.6.1 drops the iterator without stopping the context when it cannot publish a chunk to a frontend
+    that gave up on the request (seen in the etcd soak: a request the NATS request plane delivered after a partition,
+    its first publish failing at once). Failed before: the request ran to its end for nobody and counted finished."""
+    with trio.fail_after(TIMEOUT):
+        async with open_edge() as edge, trio.open_nursery() as nursery:
+            probe = Probe(forever=True)
+            agen, _ = await start(edge, nursery, probe)
+            await take(edge, agen, 1)
+            del agen  # Dynamo's only reference: no aclose, no stop of the context
+            gc.collect()
             with trio.fail_after(1):
                 await probe.cancelled.wait()
 
