@@ -196,7 +196,7 @@ wait_for() { local what=$1 test=$2; for _ in $(seq 1 1200); do eval "$test" && r
 start etcd cp env -u ETCD_ENDPOINTS "$etcd_bin" --name oe-cp --data-dir "$work/etcd" --listen-client-urls "$etcd_url" \
   --advertise-client-urls "$etcd_url" --listen-peer-urls "$etcd_peer" \
   --initial-advertise-peer-urls "$etcd_peer" --initial-cluster "oe-cp=$etcd_peer" \
-  --logger zap --log-level warn
+  --logger zap --log-level warn --auto-compaction-mode periodic --auto-compaction-retention 5m
 start nats cp "$nats_bin" -a "$cpa" -p "$nats_port" -js -sd "$work/nats"
 wait_for etcd "curl -fsS '$etcd_url/health' 2>/dev/null | grep -q true"
 wait_for NATS "(exec 3<>/dev/tcp/$cpa/$nats_port) 2>/dev/null"
