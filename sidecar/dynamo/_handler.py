@@ -79,14 +79,15 @@ _Outcome = _End | _Stopped | Exception
 
 
 class _Outbox:
-    """What one request has for Dynamo: pending chunks (coalesced), then how the stream ended; the async iterator
-    Dynamo reads them from (``__anext__`` returns a future, see the module docstring); and the producer's side
-    (:class:`~sidecar.dynamo.ChunkSink`: ``deliver``, ``end``, ``fail``, ``has_room``, ``when_room``, ``on_stop``).
+    """What one request has for Dynamo: pending chunks (coalesced), then how the stream ended; Dynamo's side, read
+    through the :class:`_Reader` Dynamo holds (``next_chunk`` returns a future, see the module docstring); and the
+    producer's side (:class:`~sidecar.dynamo.ChunkSink`: ``deliver``, ``end``, ``fail``, ``has_room``, ``when_room``,
+    ``on_stop``).
 
-    Loop thread only, but for ``__anext__``: Dynamo calls it on one of its own threads (holding the GIL) and awaits
-    the result on the loop. It therefore only pops a chunk the loop already set aside (``_ready``: a list, whose
-    ``pop(0)`` is one atomic call; an empty deque would cost 760 bytes per request) or hands the new future to the
-    loop. One producer, one consumer (Dynamo, one ``__anext__`` at a time).
+    Loop thread only, but for ``next_chunk``: Dynamo calls it (through ``_Reader.__anext__``) on one of its own
+    threads (holding the GIL) and awaits the result on the loop. It therefore only pops a chunk the loop already set
+    aside (``_ready``: a list, whose ``pop(0)`` is one atomic call; an empty deque would cost 760 bytes per request) or
+    hands the new future to the loop. One producer, one consumer (Dynamo, one ``next_chunk`` at a time).
     """
 
     __slots__ = ("_loop", "_on_room", "_reader", "_ready", "on_stop", "outcome", "pending", "stop_future")
@@ -95,9 +96,9 @@ class _Outbox:
         self._loop = loop
         self.pending = PendingChunks()
         self.outcome: _Outcome | None = None
-        # Chunks taken from `pending` in one merge and not handed out yet (Dynamo takes one per __anext__).
+        # Chunks taken from `pending` in one merge and not handed out yet (Dynamo takes one per next_chunk).
         self._ready: list[dict[str, Any]] = []
-        self._reader: asyncio.Future[dict[str, Any]] | None = None  # Dynamo's pending __anext__
+        self._reader: asyncio.Future[dict[str, Any]] | None = None  # Dynamo's pending next_chunk
         self._on_room: Callable[[], None] | None = None
         self.stop_future: asyncio.Future[Any] | None = None
         #: The producer's: called once, on the loop, when Dynamo stops reading before the end.
@@ -163,12 +164,9 @@ class _Outbox:
             self.stop_future.cancel()  # frees Dynamo's stop future (a pyo3 future per request)
         self._serve_reader()
 
-    # Dynamo's side
+    # Dynamo's side (through _Reader)
 
-    def __aiter__(self) -> _Outbox:
-        return self
-
-    def __anext__(self) -> asyncio.Future[dict[str, Any]]:
+    def next_chunk(self) -> asyncio.Future[dict[str, Any]]:
         reader = self._loop.create_future()
         try:
             # Safe off the loop: nobody waits on this future yet, so setting it schedules nothing.
@@ -249,7 +247,7 @@ class _Reader:
         return self
 
     def __anext__(self) -> asyncio.Future[dict[str, Any]]:
-        return self._outbox.__anext__()
+        return self._outbox.next_chunk()
 
     async def aclose(self) -> None:
         await self._outbox.aclose()
