@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -395,6 +395,32 @@ def frontend_migrations(paths: Sequence[Path], wanted: set[str], tally: Tally) -
     return moved
 
 
+#: Dynamo 1.6.1's frontend, when it gives up on one attempt of a request (and re-routes it, or fails it): the
+#: attempt's worker instance.
+_ROUTE_FAILED = re.compile(r"route request failed .*?\bworker_id=(\d+)")
+_INSTANCE = re.compile(r"\binstance_id=(\d+)")
+
+
+def frontend_abandoned(paths: Sequence[Path], tally: Tally) -> dict[str, set[int]]:
+    """For each request id a frontend's log names, the worker instances it gave up on for it ("route request
+    failed": the NATS request timed out, the connect-back broke, the stream was lost)."""
+    abandoned: dict[str, set[int]] = {}
+    for path in paths:
+        for record in records(path, tally, "frontend"):
+            match = _ROUTE_FAILED.search(record.text)
+            if match is not None:
+                for rid in _REQUEST_IDS.findall(record.text):
+                    abandoned.setdefault(rid, set()).add(int(match.group(1)))
+    return abandoned
+
+
+def log_instances(path: Path, tally: Tally) -> frozenset[int]:
+    """The Dynamo instance ids a sidecar run served under (Dynamo's request lines name them)."""
+    return frozenset(
+        int(m.group(1)) for record in records(path, tally, "sidecar") if (m := _INSTANCE.search(record.text))
+    )
+
+
 def metric_counts(page: str) -> tuple[int, dict[str, int]] | None:
     """``(received, {outcome: ended})`` from a sidecar's metrics page; None when the page has no such counter."""
     received = [float(m.group(1)) for m in _METRIC_RECEIVED.finditer(page)]
@@ -421,6 +447,8 @@ class LifeCounts:
     ends: list[End] = field(default_factory=list)
     #: When a SIGKILLed run was killed (Unix).
     killed_at: float | None = None
+    #: The Dynamo instance ids this run served under (from its log).
+    instances: frozenset[int] = frozenset()
 
     def delivered(self, request_id: str) -> bool:
         """Whether this run's finish of ``request_id`` can have reached the frontend (it was not killed right
@@ -446,12 +474,14 @@ def reconcile(
     lives: list[LifeCounts],
     verdicts: Sequence[tuple[Transcript, Verdict, Answer | None]],
     own_ids: set[str],
+    abandoned: Mapping[str, set[int]] | None = None,
 ) -> Reconciliation:
     """received = finished + cancelled + failed + rejected for every run still alive at the end (its metrics, which
     must also equal its log's request-end lines); and finished = complete answers: every complete answer was
     finished by exactly one sidecar run (the decode worker for the pair's model), and every other "finished" is a
     client that left, one of this program's own requests, or a run's log line for a request that did not reach the
-    client (each listed)."""
+    client (each listed). A complete answer finished by more than one run is explained only when every run but one
+    served under an instance the frontend abandoned for that request (``abandoned``: :func:`frontend_abandoned`)."""
     problems: list[str] = []
     for life in lives:
         if life.metrics is None:
@@ -473,7 +503,8 @@ def reconcile(
             into.setdefault(rid, []).append(f"{life.worker}#{life.life}")
     complete: Counter[str] = Counter()
     finished: Counter[str] = Counter()
-    explained = {"own": 0, "client_left": 0, "complete": 0}
+    explained = {"own": 0, "client_left": 0, "complete": 0, "rerouted": 0}
+    instances = {f"{life.worker}#{life.life}": life.instances for life in lives}
     seen: set[str] = set()
     for transcript, verdict, answer in verdicts:
         ids = request_ids(answer) if answer is not None else set()
@@ -483,7 +514,14 @@ def reconcile(
             for rid in ids:
                 where = [w for w in finished_where.get(rid, []) if _counts_for(kind, w)]
                 maybe = [w for w in maybe_lost.get(rid, []) if _counts_for(kind, w)]
-                if len(where) > 1 or not (where or maybe):
+                # Dynamo's request plane delivers a request the frontend gave up on (its NATS request "failed", or the
+                # connect-back broke) and re-routed: that run may finish it too, for nobody. Only the frontend's own
+                # record of the abandoned attempt excuses a second finish.
+                left = (abandoned or {}).get(rid, set())
+                rerouted = [w for w in where if instances.get(w, frozenset()) & left]
+                if len(where) > 1 and len(where) - len(rerouted) == 1:
+                    explained["rerouted"] += len(rerouted)
+                elif len(where) > 1 or not (where or maybe):
                     problems.append(f"request #{transcript.number} ({rid}): complete, finished by {where or 'none'}")
                 seen.add(rid)
         elif verdict.outcome == "cancelled" or verdict.kind == "frontend_lost":

@@ -16,6 +16,7 @@ from bench._chaos_faults import EXITED, FAULT_KINDS, OBSERVED_KINDS, FaultRecord
 from bench._chaos_load import Transcript
 from bench._chaos_logs import Tally
 from bench._chaos_resources import Resources
+from tests.cluster.topology import CATCH_UP_ENTRIES, SNAPSHOT_COUNT
 
 
 def markers(control_plane: str) -> tuple[str, str]:
@@ -140,6 +141,18 @@ class Report:
 
     # -- text -----------------------------------------------------------------------------------------------------
 
+    def _etcd_warm_up(self) -> list[str]:
+        warm = self.extra.get("etcd_warm_up")
+        if not warm:
+            return []
+        entries, seconds = warm
+        return [
+            "",
+            f"etcd's in-memory raft log brought to its steady size before the load: {entries:,} puts of 4 KiB in "
+            f"{seconds:.0f} s (etcd 3.4 keeps every entry until a snapshot, every {SNAPSHOT_COUNT:,}, then the last "
+            f"{CATCH_UP_ENTRIES:,}); its memory is judged from there",
+        ]
+
     def table(self) -> str:
         outcomes = self.outcomes()
         lines = [
@@ -155,6 +168,7 @@ class Report:
             f"{self.extra.get('complete_after_migration', 0)}; of them with `prompt_tokens` counting the tokens "
             f"generated before the migration (Dynamo 1.6.1 takes them from the last attempt): "
             f"{sum(1 for _, v, _ in self.verdicts if v.kind == 'migrated_prompt_tokens')}",
+            *self._etcd_warm_up(),
             "",
             "| fault | injected | skipped | recovery p50 | recovery p99 | clean errors while active |",
             "|---|---:|---:|---:|---:|---:|",
@@ -175,7 +189,9 @@ class Report:
         lines += [
             "",
             f"complete answers seen by clients: {dict(rec.complete)}; finished on the sidecars: {dict(rec.finished)} "
-            f"(of which clients that left: {rec.explained['client_left']}, this program's own: {rec.explained['own']})",
+            f"(of which clients that left: {rec.explained['client_left']}, this program's own: {rec.explained['own']}, "
+            f"finished again by a run the frontend had given up on and re-routed from: "
+            f"{rec.explained.get('rerouted', 0)})",
         ]
         for name, ok, detail in self.postconditions:
             lines.append(f"post-condition {'ok  ' if ok else 'FAIL'} {name}: {detail}")
@@ -281,6 +297,7 @@ class Report:
             ],
             "postconditions": [{"name": n, "ok": ok, "detail": d} for n, ok, d in self.postconditions],
             "reconcile_problems": self.reconciliation.problems,
+            "reconcile_explained": self.reconciliation.explained,
             "anomalies": self.anomalies,
             "unknown_log_lines": {"by_kind": self.unknown_lines.unknown, "examples": self.unknown_lines.examples},
             "resources": self.resources.to_json() if self.resources is not None else None,

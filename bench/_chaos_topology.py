@@ -252,6 +252,8 @@ class Topology:
     lora_root: Path | None = None
     #: Times the operator (this program) loaded the LoRA adapter again on a worker that came back without it.
     lora_reloads: int = 0
+    #: etcd's warm-up before the load (``fill_raft_log``): entries written, seconds taken.
+    etcd_warm_up: tuple[int, float] | None = None
 
     # -- hosts and environment ----------------------------------------------------------------------------------
 

@@ -52,10 +52,12 @@ from bench._chaos_check import (
     End,
     LifeCounts,
     Verdict,
+    frontend_abandoned,
     frontend_lost,
     frontend_migrations,
     judge,
     log_ends,
+    log_instances,
     metric_counts,
     migrated_usage,
     parse,
@@ -63,7 +65,7 @@ from bench._chaos_check import (
     reference_problems,
     request_ids,
 )
-from bench._chaos_discovery import LEASE_S, MARGIN_S, etcd_entries, sets, settled
+from bench._chaos_discovery import LEASE_S, MARGIN_S, etcd_entries, fill_raft_log, sets, settled
 from bench._chaos_faults import (
     ChaosState,
     kv_faults,
@@ -89,7 +91,7 @@ from bench._chaos_topology import (
     worker_instance,
 )
 from tests.cluster.network import Host, Network, netns_unavailable, open_network, partition_unavailable
-from tests.cluster.topology import Cluster, missing_binaries
+from tests.cluster.topology import CATCH_UP_ENTRIES, SNAPSHOT_COUNT, Cluster, missing_binaries
 from tests.helpers.processes import DynamoEnv, Process, base_env, free_low_port, start_frontend
 from tests.helpers.stack import MODEL, engine_load, mock_stats, start_engine, start_sidecar
 
@@ -469,7 +471,9 @@ async def _run(
                 for end in life_counts.ends:
                     attempts.setdefault(end.request_id, []).append(end)
         verdicts = _excuse_migrations(topo, load, attempts, tally)
-        reconciliation = reconcile(lives, verdicts, own_ids)
+        frontend_logs = [life.process.log_path for f in topo.frontends.values() for life in f.managed.lives]
+        # A second read of the frontends' logs (the first, for migrations): unknown lines are counted there.
+        reconciliation = reconcile(lives, verdicts, own_ids, frontend_abandoned(frontend_logs, Tally()))
         migrated = sum(
             1
             for _, verdict, seen in verdicts
@@ -494,7 +498,7 @@ async def _run(
             anomalies=state.anomalies,
             lora_reloads=topo.lora_reloads,
             elapsed_s=time.monotonic() - started,
-            extra={"complete_after_migration": migrated},
+            extra={"complete_after_migration": migrated, "etcd_warm_up": topo.etcd_warm_up},
             resources=resources,
             unknown_lines=tally,
         )
@@ -529,6 +533,8 @@ async def _start(
         topo.cluster = cluster
         stack.push_async_callback(_stop_control_plane, cluster)
         await cluster.start_etcd()
+        entries = CATCH_UP_ENTRIES + SNAPSHOT_COUNT + 500
+        topo.etcd_warm_up = (entries, await fill_raft_log(cluster.etcd_url, entries))
         await cluster.start_nats()
         for frontend in topo.frontends.values():
             frontend.managed.env = topo.host_env(frontend.host)
@@ -667,13 +673,17 @@ async def _final_counts(topo: Topology, tally: Tally) -> list[LifeCounts]:
                     except httpx.HTTPError:
                         metrics = None
                 ends = log_ends(life.process.log_path, tally)
+                # A second read of the same log: its unknown lines are counted once, above.
+                instances = log_instances(life.process.log_path, Tally())
                 counts = Counter(end.outcome for end in ends)
                 handoff = name == "pd-prefill"  # its "finished (length)" hands the request to the decode worker
                 finished = [
                     e.request_id for e in ends if e.outcome == "finished" and not (handoff and e.reason == "length")
                 ]
                 killed = life.ended_unix if life.end == "sigkill" else None
-                lives.append(LifeCounts(name, life.number, life.end, metrics, counts, finished, ends, killed))
+                lives.append(
+                    LifeCounts(name, life.number, life.end, metrics, counts, finished, ends, killed, instances)
+                )
     return lives
 
 

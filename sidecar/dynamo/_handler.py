@@ -68,14 +68,22 @@ class _Stopped:
     __slots__ = ()
 
 
+class _StopSaid:
+    """Stopped, and Dynamo has read the cancelled chunk: the stream is over for Dynamo, still stopped for the
+    producer (who may only look now: a stop can come while trio is admitting the request)."""
+
+    __slots__ = ()
+
+
 #: Tokens that may wait for Dynamo before the outbox reports no room (a consumer that stopped reading, not a slow
 #: one).
 _MAX_PENDING_TOKENS: Final = 4096
 
 _END: Final = _End()
 _STOPPED: Final = _Stopped()
+_STOP_SAID: Final = _StopSaid()
 
-_Outcome = _End | _Stopped | Exception
+_Outcome = _End | _Stopped | _StopSaid | Exception
 
 
 class _Outbox:
@@ -108,7 +116,7 @@ class _Outbox:
 
     @property
     def stopped(self) -> bool:
-        return self.outcome is _STOPPED
+        return self.outcome is _STOPPED or self.outcome is _STOP_SAID
 
     @property
     def has_room(self) -> bool:
@@ -215,7 +223,7 @@ class _Outbox:
             return False
         if outcome is _STOPPED:
             # A generator that is still read after a stop says so once (Dynamo's stop_generating), then ends.
-            self.outcome = _END
+            self.outcome = _STOP_SAID
             reader.set_result(dict(CANCELLED_CHUNK))
         elif isinstance(outcome, Exception):
             self.outcome = _END

@@ -120,7 +120,8 @@ class ChunkSink(Protocol):
     are merged while Dynamo is busy with the previous chunk), then ends it (``end``) or fails it (``fail``: the
     exception Dynamo is given, mapped by its ``SidecarError.kind``); the first of the two counts. ``on_stop``, set by
     the producer, is called once if Dynamo stops reading first (the client left, the frontend ended the stream, or
-    Dynamo dropped the iterator); ``stopped`` says so afterwards. Backpressure: ``has_room`` is False while too many
+    Dynamo dropped the iterator); ``stopped`` says so afterwards, for good (a stop can come before the producer
+    looks, and Dynamo may have read the stream's last chunk by then). Backpressure: ``has_room`` is False while too many
     tokens wait for a reader that stopped reading; ``when_room(callback)`` calls back once there is room again.
     """
 

@@ -20,10 +20,12 @@ from bench._chaos_check import (
     LifeCounts,
     Reconciliation,
     Verdict,
+    frontend_abandoned,
     frontend_lost,
     frontend_migrations,
     judge,
     log_ends,
+    log_instances,
     metric_counts,
     migrated_usage,
     parse,
@@ -656,3 +658,51 @@ def test_write_docs_puts_the_whole_report_with_both_verdicts_into_its_control_pl
         text[text.index(file_begin) : text.index(file_end)]
         == original[original.index(file_begin) : original.index(file_end)]
     )
+
+
+def test_a_second_finish_is_excused_only_by_the_frontends_record_of_the_attempt_it_gave_up_on(tmp_path: Path) -> None:
+    """Dynamo's request plane delivers an attempt the frontend gave up on (its NATS request timed out after a
+    partition, or the connect-back broke) and re-routed: that run may finish the request for nobody. Seen six times
+    in the second etcd hour, each a reconcile violation before. Only the frontend's record of the abandoned
+    instance excuses the second finish; two finishes the frontend never gave up on stay a violation."""
+    rid, late, live = "abc", 7668682685329807756, 7668682685329802558
+    frontend = tmp_path / "fe1.log"
+    frontend.write_text(
+        "\n".join(
+            [
+                _frontend_line(
+                    "51.693",
+                    'request_span: route request failed request.outcome="connection_failed" '
+                    f'error.type="cannot_connect" request_id=span-1 otel.kind="client" request_id={rid} '
+                    f"phase=Aggregated worker_id={late} request.attempt=0",
+                ),
+                _frontend_line("51.694", f'Selected worker router_mode="kv" request_id="{rid}" worker_id={live}'),
+                "",
+            ]
+        )
+    )
+    worker_log = tmp_path / "w1.log"
+    worker_log.write_text(
+        "2026-01-01T10:00:47.509126Z  INFO handle_payload: dynamo_runtime::pipeline::network::ingress::push_handler: "
+        f'request received request_id={rid} otel.kind="server" instance_id={late}\n'
+    )
+    assert log_instances(worker_log, Tally()) == {late}
+    abandoned = frontend_abandoned([frontend], Tally())
+    assert abandoned[rid] == {late}
+    transcript = streamed(CHAT_STREAM, WHOLE)
+    verdicts = [(transcript, Verdict("complete", "exact"), parse(transcript))]
+    gave_up = _life("w1", [rid])
+    gave_up.instances = frozenset({late})
+    served = _life("w3", [rid])
+    served.instances = frozenset({live})
+    excused = reconcile([gave_up, served], verdicts, set(), abandoned)
+    assert excused.problems == []
+    assert excused.explained["rerouted"] == 1
+    # Without the frontend's record, or when the run that finished it too is not the one it gave up on: a violation.
+    assert "finished by ['w1#1', 'w3#1']" in reconcile([gave_up, served], verdicts, set()).problems[0]
+    other = _life("w2", [rid])
+    other.instances = frozenset({1})
+    assert "finished by ['w2#1', 'w3#1']" in reconcile([other, served], verdicts, set(), abandoned).problems[0]
+    # Both finishers abandoned: one of them must have been the answer, yet the frontend says it gave up on both.
+    served.instances = frozenset({late})
+    assert reconcile([gave_up, served], verdicts, set(), abandoned).problems

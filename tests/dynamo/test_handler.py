@@ -206,6 +206,36 @@ async def test_dropping_the_iterator_before_its_end_cancels_the_trio_task() -> N
                 await probe.cancelled.wait()
 
 
+async def test_a_stop_dynamo_reads_before_the_producer_looks_still_stops_the_producer() -> None:
+    """A stop that comes before the producer registers for it, and that Dynamo reads (the cancelled chunk) before the
+    producer looks, still reads as stopped to the producer. Seen in the etcd soak: a late-delivered request whose
+    connect-back was reset at once -- Dynamo stopped the context and pulled the cancelled chunk while trio was still
+    admitting the request. Failed before: ``stopped`` turned False once the chunk was read, and the request ran to its
+    end for nobody and counted finished."""
+    with trio.fail_after(TIMEOUT):
+        async with open_edge() as edge, trio.open_nursery() as nursery:
+            admitted = trio.Event()
+            probe = Probe(forever=True)
+
+            async def late(request: dict[str, Any], ctx: RequestContext, outbox: ChunkSink) -> None:
+                await admitted.wait()  # trio still admitting the request
+                await probe(request, ctx, outbox)
+
+            probe.edge = edge
+
+            async def create() -> tuple[Any, FakeContext]:
+                ctx = FakeContext()
+                return make_handler(edge, nursery, late)({"token_ids": [1]}, ctx), ctx  # type: ignore[arg-type]
+
+            agen, ctx = await edge.run(create)
+            await edge.run(_call_soon, ctx.stop)
+            chunks, error = await take(edge, agen)
+            assert (chunks, error) == ([CANCELLED_CHUNK], None)
+            admitted.set()
+            with trio.fail_after(1):
+                await probe.cancelled.wait()
+
+
 @pytest.mark.parametrize(
     ("error", "expected", "message"),
     [
