@@ -154,7 +154,11 @@ def parse_args(argv: Sequence[str]) -> Args:
     )
     parser.add_argument("--report", type=Path, help="write the report as JSON to this file")
     parser.add_argument("--write-docs", action="store_true", help="update the chaos section of docs/faults.md")
-    parser.add_argument("--log-dir", type=Path, help="keep every process log here (default: a temporary directory)")
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        help="keep every process log here (default: a temporary directory, kept and named only if the run fails)",
+    )
     ns = parser.parse_args(argv)
     if not 0.5 <= ns.minutes <= 120:
         parser.error(f"--minutes {ns.minutes:g}: must be between 0.5 and 120")
@@ -370,13 +374,20 @@ async def soak(args: Args) -> Report:
     faults = plan(args.seed, load_s, args.control_plane)
     print(f"bench.chaos: seed {args.seed}, {len(templates)} templates, {len(faults)} planned faults, {mode} ({note})")
     root = Path(tempfile.mkdtemp(prefix="oe-chaos-"))
+    report: Report | None = None
     try:
         with open_hosts(args.control_plane, mode) as network:
-            return await _run(args, root, network, mode, note, templates, faults, load_s, started)
+            report = await _run(args, root, network, mode, note, templates, faults, load_s, started)
+            return report
     finally:
-        if args.log_dir is not None and (root / "logs").is_dir():
-            shutil.copytree(root / "logs", args.log_dir, dirs_exist_ok=True)
-            print(f"bench.chaos: logs in {args.log_dir}")
+        keep = args.log_dir
+        if keep is None and (report is None or not report.ok):
+            # A failed run is rare and not reproducible at will (a 10-minute run once lost a sidecar's exit to
+            # this): its logs are what explains it.
+            keep = Path(tempfile.mkdtemp(prefix="oe-chaos-logs-"))
+        if keep is not None and (root / "logs").is_dir():
+            shutil.copytree(root / "logs", keep, dirs_exist_ok=True)
+            print(f"bench.chaos: logs in {keep}")
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -249,10 +249,13 @@ def _allow(status: int) -> tuple[tuple[str, str], ...]:
 
 
 def _reserve_port(host: str, port: int) -> socket.socket:
-    """A socket bound (not listening) to ``port`` on ``host``: no one else can bind it until it is closed (it does
-    not set SO_REUSEADDR), then Dynamo's runtime does. One line naming the flag when it is taken."""
+    """A socket bound (not listening) to ``port`` on ``host``: nothing listening and no socket without
+    SO_REUSEADDR can bind it until it is closed, then Dynamo's runtime does. SO_REUSEADDR, as every server's
+    listener: a restarted worker finds the port in TIME_WAIT from its last run (Dynamo's server there closed its
+    connections first) and must not refuse to start for it. One line naming the flag when it is taken."""
     family = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:

@@ -209,6 +209,32 @@ async def test_a_dynamo_system_port_asked_for_is_held_until_handed_over(worker_m
             nursery.cancel_scope.cancel()
 
 
+async def test_a_dynamo_system_port_its_last_run_left_in_time_wait_is_held_again(
+    worker_model: WorkerLifecycle,
+) -> None:
+    """A worker restarted within a minute of its last run: Dynamo's server there had closed its connections first
+    (the relay's scrapes), so the port sits in TIME_WAIT. Seen in a 10-minute etcd soak: the restarted sidecar
+    refused to start ("Address already in use") and exited 1. Failed before: the reservation did not set
+    SO_REUSEADDR, as every server's listener does."""
+    dynamo_port = free_low_port()
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Dynamo's (tokio's) listener
+        server.bind(("127.0.0.1", dynamo_port))
+        server.listen()
+        client = socket.create_connection(("127.0.0.1", dynamo_port))
+        accepted, _ = server.accept()
+        accepted.close()  # the server's side closes first: TIME_WAIT on dynamo_port
+        client.recv(1)  # its FIN has arrived
+        client.close()
+    port = health.SystemPort(worker_model, "127.0.0.1", 0, dynamo_port=dynamo_port)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(port.run)
+            with socket.socket() as sock, pytest.raises(OSError, match="in use"):
+                sock.bind(("127.0.0.1", dynamo_port))  # still held against anyone else
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_dynamo_system_port_in_use_is_one_line_naming_the_flag(worker_model: WorkerLifecycle) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", free_low_port()))
