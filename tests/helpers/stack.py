@@ -6,6 +6,7 @@ The engine's own view (GetLoad) is read with the project's OpenEngine client, as
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -124,6 +125,55 @@ async def start_sidecar(
         stop_grace=stop_grace,
     ) as process:
         yield Worker(process, system_port)
+
+
+def dynamo_sidecar_missing() -> str | None:
+    """Why Dynamo's own TensorRT-LLM sidecar cannot run here (one line), or ``None`` when it can."""
+    if importlib.util.find_spec("dynamo.trtllm") is None:
+        return "Dynamo's TensorRT-LLM sidecar (python -m dynamo.trtllm.sidecar) is not installed"
+    return None
+
+
+@asynccontextmanager
+async def start_dynamo_sidecar(
+    denv: DynamoEnv,
+    engine_address: str,
+    *args: str,
+    name: str = "dynamo-sidecar",
+    model: str = MODEL,
+    model_dir: Path = MODEL_DIR,
+    ready_timeout: float = 60.0,
+    stop_grace: float = 10.0,
+    system_port: int | None = None,
+    env: dict[str, str] | None = None,
+) -> AsyncIterator[Worker]:
+    """Start Dynamo's own sidecar (``python -m dynamo.trtllm.sidecar``, in the ai-dynamo 1.6.1 wheel) against
+    ``engine_address``; yields once its log says it serves.
+
+    It has no ``--served-model-name``: it names the model after ``--model-path`` as given, so it runs from a
+    directory holding a symlink named ``model`` to ``model_dir`` and is given that relative path (the engine must
+    serve the same name: ``GenerateRequest.model`` is that path too).
+    """
+    missing = dynamo_sidecar_missing()
+    if missing is not None:
+        raise RuntimeError(missing)
+    cwd = denv.root / f"{name}-models"
+    link = cwd / model
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.is_symlink():
+        link.symlink_to(model_dir)
+    port = system_port if system_port is not None else free_low_port()
+    argv = [sys.executable, "-m", "dynamo.trtllm.sidecar", "--grpc-endpoint", engine_address, "--model-path", model]
+    async with start_process(
+        [*argv, *args],
+        env if env is not None else denv.worker_env(DYN_SYSTEM_PORT=str(port)),
+        log_path=denv.log_path(name),
+        ready=f"Serving {model} on ",
+        ready_timeout=ready_timeout,
+        stop_grace=stop_grace,
+        cwd=cwd,
+    ) as process:
+        yield Worker(process, port)
 
 
 def dump_logs(denv: DynamoEnv, lines: int = 40) -> None:
