@@ -235,13 +235,13 @@ def child_path(args: argparse.Namespace) -> Result:
                 }
 
                 async with trio.open_nursery() as nursery:
-                    generate = make_handler(edge, nursery, server.handle)
+                    generate, _ = make_handler(edge, nursery, server.handle, push=False)
 
                     async def slot(index: int) -> None:
                         nonlocal count, finished
                         with contextlib.suppress(Exception):  # the end of the window cancels the trio side
                             for n in itertools.count():
-                                request = generate(dict(body), Context(f"{index}-{n}"))  # type: ignore[arg-type]
+                                request = generate(dict(body), Context(f"{index}-{n}"))
                                 async for chunk in request:
                                     count += len(chunk["token_ids"])  # one token per engine message
                                 finished += 1
@@ -311,12 +311,22 @@ def child_reference(args: argparse.Namespace) -> Result:
 class Mock:
     """``openengine-mock --speedup 0`` (or paced, ``decode_ms`` per step) as a subprocess, killed on exit."""
 
-    def __init__(self, cpu: int | None, max_tokens: int, decode_ms: float | None = None, interval: int = 1) -> None:
+    def __init__(
+        self,
+        cpu: int | None,
+        max_tokens: int,
+        decode_ms: float | None = None,
+        interval: int = 1,
+        *,
+        step_clock: bool = False,
+    ) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="bench-mock-")
         port_file = Path(self._tmp.name) / "port"
         timing = ["--speedup", "0"]
         if decode_ms is not None:
             timing = ["--speedup", "1", "--decode-ms-per-token", str(decode_ms)]
+            if step_clock:
+                timing += ["--step-clock", "engine"]
         argv = [
             sys.executable,
             "-m",

@@ -16,8 +16,12 @@ Candidates run interleaved (A B C A B C ...), medians reported.
 
 Candidates:
 
-* ``loop-direct`` -- this tree, ``Generate`` received from the HTTP/2 events (``EngineClientConfig.direct_receive``);
-* ``loop-grpclib`` -- this tree, received through grpclib's streams;
+* ``push`` -- this tree in push mode (what Dynamo 1.6.1 drives for a handler naming ``response_sender``): chunks go
+  to a stand-in ``ResponseSender`` (it counts them and stamps their arrival) from the loop or the egress threads,
+  ``Generate`` received from the HTTP/2 events; Dynamo's encode and channel are not part of it;
+* ``loop-direct`` -- this tree in pull mode, ``Generate`` received from the HTTP/2 events
+  (``EngineClientConfig.direct_receive``);
+* ``loop-grpclib`` -- this tree in pull mode, received through grpclib's streams;
 * ``NAME``, ``NAME-direct`` -- another checkout's path (``--tree NAME=DIR``) with its default and its direct receive
   (the same child code: ``make_handler(edge, nursery, server.handle)`` is the same call in both trees).
 
@@ -109,6 +113,75 @@ class _Context:
         return self._loop.create_future()  # never stopped; cancelled by the handler at the end
 
 
+class _Sender:
+    """A stand-in ``ResponseSender``: counts what arrives (any thread), and tells the reader when the stream closes."""
+
+    __slots__ = ("_reader", "_slot")
+
+    def __init__(self, reader: _PushReader, slot: int) -> None:
+        self._reader, self._slot = reader, slot
+
+    def send(self, chunk: dict[str, Any]) -> None:
+        self._reader.chunk(self._slot, chunk)
+
+    def close(self) -> None:
+        pass
+
+
+class _PushReader:
+    """Dynamo's side in push mode: each request's iterator is advanced once; its chunks arrive at its sender; when
+    the iteration ends, the slot's next request starts (on the loop, as Dynamo's dispatch does)."""
+
+    def __init__(self, loop: Any, generate: Any, args: argparse.Namespace) -> None:
+        import threading
+
+        self.loop, self.generate, self.streams = loop, generate, args.streams
+        self.body = {
+            "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+            "stop_conditions": {"max_tokens": args.max_tokens, "ignore_eos": True},
+            "sampling_options": {"temperature": 0.0},
+        }
+        self.stop = threading.Event()
+        self.last: dict[int, float] = {}
+        self.iterators: dict[int, Any] = {}  # held as Dynamo holds them: dropping one stops its request
+        self.serial = 0
+        self.tokens = self.chunks = self.finished = 0
+        self.gaps: list[float] | None = None
+
+    def chunk(self, slot: int, chunk: dict[str, Any]) -> None:
+        ids = chunk.get("token_ids") or ()
+        if ids:
+            now = time.perf_counter()
+            self.tokens += len(ids)
+            self.chunks += 1
+            if self.gaps is not None and slot in self.last:
+                self.gaps.append(now - self.last[slot])
+            self.last[slot] = now
+
+    def _start(self, slot: int) -> None:
+        if self.stop.is_set():
+            return
+        self.serial += 1
+        self.last.pop(slot, None)
+        iterator = self.generate(
+            dict(self.body), _Context(f"{slot}-{self.serial}", self.loop), response_sender=_Sender(self, slot)
+        )
+        self.iterators[slot] = iterator
+        future = iterator.__anext__()
+        future.add_done_callback(lambda f, s=slot: self._ended(s, f))
+
+    def _ended(self, slot: int, future: Any) -> None:
+        error = future.exception()
+        if not isinstance(error, StopAsyncIteration):
+            print(f"request failed: {error!r}", file=sys.stderr)
+        self.finished += 1
+        self._start(slot)
+
+    def run(self) -> None:
+        for slot in range(self.streams):
+            self.loop.call_soon_threadsafe(self._start, slot)
+
+
 class _Reader:
     """Dynamo's side: one thread drives every request's iterator, one ``__anext__`` at a time per request, and is
     handed each result through a done-callback posted onto the loop (as Dynamo's binding does)."""
@@ -191,7 +264,11 @@ def child(args: argparse.Namespace) -> Result:
                 server = RequestServer()
                 server.attach(ServingContext(client, caps, model, caps.max_context_length or 0, 5.0, 60.0))
                 async with trio.open_nursery() as nursery:
-                    reader = _Reader(edge.loop, make_handler(edge, nursery, server.handle), args)
+                    made = make_handler(edge, nursery, server.handle)
+                    # Another checkout's make_handler may return the function alone (before push egress).
+                    generate = made[0] if isinstance(made, tuple) else made
+                    reader: _Reader | _PushReader
+                    reader = (_PushReader if args.push else _Reader)(edge.loop, generate, args)
                     thread = threading.Thread(target=reader.run, daemon=True)
                     thread.start()
                     await trio.sleep(args.warmup)
@@ -235,8 +312,10 @@ def run_child(candidate: str, tree: Path | None, mock: Any, args: argparse.Names
         "--streams", str(args.streams), "--max-tokens", str(args.max_tokens), "--interval", str(args.interval),
         "--warmup", str(args.warmup), "--window", str(args.window),
     ]  # fmt: skip
-    if candidate.endswith("-direct"):
+    if candidate.endswith("-direct") or candidate.startswith("push"):
         argv.append("--direct")
+    if candidate.startswith("push"):
+        argv.append("--push")
     root = tree if tree is not None else _ROOT
     env = {**os.environ, "PYTHONPATH": str(root)}
     preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
@@ -300,6 +379,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default="", help=argparse.SUPPRESS)
     p.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--push", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--step-clock", action="store_true", help="the mock's engine-wide step clock (paced rows)")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.warmup, args.window = 1, 1.5, 3.0
@@ -315,14 +396,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cpus = sorted(os.sched_getaffinity(0))
     pin = not args.no_pin and len(cpus) >= 2
-    candidates: list[tuple[str, Path | None]] = [("loop-direct", None), ("loop-grpclib", None)]
+    candidates: list[tuple[str, Path | None]] = [("push", None), ("loop-direct", None), ("loop-grpclib", None)]
     for name, path in args.tree:
-        candidates += [(name, path), (f"{name}-direct", path)]
+        candidates += [(name, path), (f"{name}-direct", path), (f"push-{name}", path)]
     if args.only:
         wanted = set(args.only.split(","))
         candidates = [c for c in candidates if c[0] in wanted]
     results: dict[str, list[Result]] = {name: [] for name, _ in candidates}
-    mock = Mock(cpus[-1] if pin else None, args.max_tokens, None if args.saturated else args.paced_ms, args.interval)
+    mock = Mock(
+        cpus[-1] if pin else None,
+        args.max_tokens,
+        None if args.saturated else args.paced_ms,
+        args.interval,
+        step_clock=args.step_clock,
+    )
     try:
         for round_ in range(args.rounds):
             for name, tree in candidates:

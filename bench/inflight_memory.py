@@ -85,7 +85,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                 caps = Capabilities.from_discovery(info, await client.get_model_info(model))
                 server = RequestServer()
                 server.attach(ServingContext(client, caps, model, caps.max_context_length or 4096, 5.0, 600.0))
-                generate = make_handler(edge, nursery, server.handle)
+                generate, _ = make_handler(edge, nursery, server.handle, push=False)
                 loop = edge.loop
                 first_tokens = 0
                 counter = 0
@@ -101,7 +101,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                     nonlocal first_tokens, counter
                     counter += 1
                     seen = False
-                    async for _chunk in generate(body(), _Context(f"mem-{counter}", stop)):  # type: ignore[arg-type]
+                    async for _chunk in generate(body(), _Context(f"mem-{counter}", stop)):
                         if not seen:
                             seen = True
                             first_tokens += 1

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any, Final
 
@@ -42,6 +43,7 @@ from sidecar.edge import EdgeClosed, EdgeError
 from sidecar.errors import SidecarError, WorkerDraining
 
 from ._bindings import dynamo_exception
+from ._egress import Egress, wire_bytes
 from ._types import RequestContext
 
 if TYPE_CHECKING:
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from sidecar.edge import Edge
 
     from ._bindings import Context
+    from ._egress import ResponseSender
     from ._types import RequestHandler
 
 __all__ = ["CANCELLED_CHUNK", "make_handler"]
@@ -98,10 +101,22 @@ class _Outbox:
     hands the new future to the loop. One producer, one consumer (Dynamo, one ``next_chunk`` at a time).
     """
 
-    __slots__ = ("_loop", "_on_room", "_reader", "_ready", "on_stop", "outcome", "pending", "stop_future")
+    __slots__ = ("_direct_left", "_egress", "_gone", "_loop", "_on_room", "_pushed", "_queued", "_reader", "_ready",
+                 "_sender", "on_stop", "outcome", "pending", "stop_future")  # fmt: skip
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, sender: ResponseSender | None = None, egress: Egress | None = None
+    ) -> None:
         self._loop = loop
+        # Push mode (both set): the egress threads send what is pending to Dynamo's ResponseSender (sidecar.dynamo.
+        # _egress); pull mode (neither): Dynamo takes it through next_chunk.
+        self._sender = sender
+        self._egress = egress if sender is not None else None
+        self._queued = False  # push: queued for, or held by, an egress thread (under egress.lock)
+        # push: bytes the loop may still send itself before the stream could be full (0: the egress threads send)
+        self._direct_left = egress.direct_bytes if egress is not None else 0
+        self._pushed = False  # push: everything is sent, the end included (loop thread)
+        self._gone = False  # push: Dynamo's side of the stream is gone (a send raised); egress thread only
         self.pending = PendingChunks()
         self.outcome: _Outcome | None = None
         # Chunks taken from `pending` in one merge and not handed out yet (Dynamo takes one per next_chunk).
@@ -124,9 +139,26 @@ class _Outbox:
 
     def deliver(self, chunks: list[dict[str, Any]]) -> None:
         if self.outcome is None:
-            self.pending.extend(chunks)
-            if self._reader is not None:
-                self._serve_reader()
+            egress = self._egress
+            if egress is None:
+                self.pending.extend(chunks)
+                if self._reader is not None:
+                    self._serve_reader()
+                return
+            if self._direct_left:
+                cost = wire_bytes(chunks)
+                if cost < self._direct_left:
+                    # Sent on the loop: Dynamo's channel and TCP's buffers hold more than this request has sent in
+                    # all, so the send cannot block (sidecar.dynamo._egress); no thread hand-over.
+                    self._direct_left -= cost
+                    self._send_now(chunks)
+                    return
+                self._direct_left = 0  # from here on the egress threads send this request's chunks, in order
+            with egress.lock:
+                self.pending.extend(chunks)
+                queued, self._queued = self._queued, True
+            if not queued:
+                egress.schedule(self)
 
     def when_room(self, callback: Callable[[], None]) -> None:
         if self.has_room:
@@ -150,7 +182,11 @@ class _Outbox:
         if self.outcome is not None:
             return  # the request already ended (or was stopped): what is pending is its whole answer
         logger.debug("request stopped by Dynamo: %s", reason)
-        self.pending.take()
+        if self._egress is None:
+            self.pending.take()
+        else:
+            with self._egress.lock:
+                self.pending.take()
         self._ready.clear()
         self._settle(_STOPPED)
         on_stop, self.on_stop = self.on_stop, None
@@ -170,7 +206,98 @@ class _Outbox:
         self.outcome = outcome
         if self.stop_future is not None:
             self.stop_future.cancel()  # frees Dynamo's stop future (a pyo3 future per request)
-        self._serve_reader()
+        egress = self._egress
+        if egress is None:
+            self._serve_reader()
+            return
+        if self._direct_left:  # nothing went through the egress threads: the end is sent here too
+            self._send_end(outcome)
+            self._push_done()
+            return
+        with egress.lock:  # the end goes out after everything pending, from the egress thread
+            queued, self._queued = self._queued, True
+        if not queued:
+            egress.schedule(self)
+
+    # push mode: the egress thread's side (Pushable)
+
+    def push_pending(self, egress: Egress) -> None:
+        sender = self._sender
+        assert sender is not None
+        lock = egress.lock
+        pending = self.pending
+        while True:
+            with lock:
+                chunks = pending.take() if pending else None
+                outcome = self.outcome
+                if chunks is None and outcome is None:
+                    self._queued = False
+                    return
+            if chunks is None:
+                break
+            if self._on_room is not None:
+                self._loop.call_soon_threadsafe(self._room)
+            if self._gone:
+                continue
+            egress.sending(time.monotonic())
+            try:
+                self._send_now(chunks)
+            finally:
+                egress.sending(None)
+        # The end, once: the queued flag stays set, nothing is delivered after an outcome.
+        assert outcome is not None
+        self._send_end(outcome)
+        with suppress(RuntimeError):  # the loop has closed
+            self._loop.call_soon_threadsafe(self._push_done)
+
+    def _send_now(self, chunks: list[dict[str, Any]]) -> None:
+        if self._gone:
+            return
+        sender = self._sender
+        assert sender is not None
+        try:
+            for chunk in chunks:
+                sender.send(chunk)
+        except RuntimeError:
+            # Dynamo's side of the stream is gone (it stops the context too: the stop reaches the producer).
+            self._gone = True
+
+    def _send_end(self, outcome: _Outcome) -> None:
+        sender = self._sender
+        if self._gone or sender is None:
+            return
+        with suppress(RuntimeError):
+            if outcome is _STOPPED or outcome is _STOP_SAID:
+                # A stopped request says so once, as the pull path's reader does (Dynamo's stop_generating).
+                sender.send(dict(CANCELLED_CHUNK))
+            if not isinstance(outcome, Exception):
+                # Not on a failure: the exception the reader raises ends the stream with its typed error; closing
+                # first would end it as a success.
+                sender.close()
+
+    # push mode: Dynamo's side (through _PushReader)
+
+    def _push_done(self) -> None:
+        self._pushed = True
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            self._end_push(reader)
+
+    def park_push(self, reader: asyncio.Future[dict[str, Any]]) -> None:
+        if self._pushed:
+            self._end_push(reader)
+        else:
+            self._reader = reader
+
+    def _end_push(self, reader: asyncio.Future[dict[str, Any]]) -> None:
+        if reader.done():
+            return
+        outcome = self.outcome
+        if isinstance(outcome, Exception):
+            self.outcome = _END
+            reader.set_exception(outcome)  # never raised here: it reaches Dynamo without a frame
+        else:
+            reader.set_exception(StopAsyncIteration())
 
     # Dynamo's side (through _Reader)
 
@@ -264,6 +391,31 @@ class _Reader:
         self._outbox.dropped()
 
 
+class _PushReader:
+    """Push mode: the async iterator Dynamo advances once per request; its one ``__anext__`` ends (raises) when
+    everything has been sent. Held only by Dynamo, as :class:`_Reader` is (its finalizer stops the request)."""
+
+    __slots__ = ("_outbox",)
+
+    def __init__(self, outbox: _Outbox) -> None:
+        self._outbox = outbox
+
+    def __aiter__(self) -> _PushReader:
+        return self
+
+    def __anext__(self) -> asyncio.Future[dict[str, Any]]:
+        outbox = self._outbox
+        reader: asyncio.Future[dict[str, Any]] = outbox._loop.create_future()
+        outbox._loop.call_soon_threadsafe(outbox.park_push, reader)
+        return reader
+
+    async def aclose(self) -> None:
+        await self._outbox.aclose()
+
+    def __del__(self) -> None:
+        self._outbox.dropped()
+
+
 def request_context(request: dict[str, Any], context: Context) -> RequestContext:
     """Dynamo's context id, W3C trace headers and ``nvext.annotations`` for the trio handler."""
     headers = context.trace_headers() or {}
@@ -282,18 +434,32 @@ def _to_dynamo(error: BaseException) -> Exception:
 
 
 def make_handler(
-    edge: Edge, nursery: trio.Nursery, handler: RequestHandler
-) -> Callable[[dict[str, Any], Context], AsyncIterator[dict[str, Any]]]:
-    """The function to pass to ``serve_endpoint``: each call starts ``handler`` in ``nursery`` (one trio task per
-    request) and returns the async iterator of the request's chunks."""
+    edge: Edge, nursery: trio.Nursery, handler: RequestHandler, *, push: bool = True, egress: Egress | None = None
+) -> tuple[Callable[..., AsyncIterator[dict[str, Any]]], Egress]:
+    """The function to pass to ``serve_endpoint`` and its egress threads (close them when it has returned): each
+    call starts ``handler`` in ``nursery`` (one trio task per request) and returns the async iterator of the
+    request's chunks. With ``push`` the function names ``response_sender``, which puts Dynamo in push mode (module
+    docstring of ``sidecar.dynamo._egress``); Dynamo's own in-process calls (its health canary) come without a
+    sender and take the pull path."""
 
     loop = edge.loop
+    if egress is None:
+        egress = Egress(loop)
 
-    def generate(request: dict[str, Any], context: Context) -> _Reader:
+    def generate_pull(request: dict[str, Any], context: Context) -> _Reader:
         # Called on one of Dynamo's threads, not on the loop: everything that needs the loop starts there.
         outbox = _Outbox(loop)
         loop.call_soon_threadsafe(_start, outbox, request, context)
         return _Reader(outbox)
+
+    def generate(
+        request: dict[str, Any], context: Context, response_sender: ResponseSender | None = None
+    ) -> _Reader | _PushReader:
+        if response_sender is None:
+            return generate_pull(request, context)
+        outbox = _Outbox(loop, response_sender, egress)
+        loop.call_soon_threadsafe(_start, outbox, request, context)
+        return _PushReader(outbox)
 
     def _start(outbox: _Outbox, request: dict[str, Any], context: Context) -> None:
         try:
@@ -326,7 +492,7 @@ def make_handler(
         else:
             edge.to_loop(_backstop, outbox)
 
-    return generate
+    return (generate if push else generate_pull), egress
 
 
 def _backstop(outbox: _Outbox) -> None:

@@ -579,7 +579,7 @@ class DynamoWorker:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        generate = make_handler(self._edge, nursery, handler)
+        generate, egress = make_handler(self._edge, nursery, handler)
         try:
             async with trio.open_nursery() as inner:
 
@@ -592,6 +592,7 @@ class DynamoWorker:
                 await self._edge.run(b.serve_endpoint, self._endpoint, generate, payload)
                 inner.cancel_scope.cancel(reason="serve_endpoint returned")
         finally:
+            egress.close()
             self._served.set()
         if not self._shutdown_sent:
             # Nobody asked the runtime to stop: it shut itself down, which Dynamo does when its etcd lease cannot be

@@ -103,7 +103,7 @@ async def start(edge: Edge, nursery: trio.Nursery, probe: Probe) -> tuple[Any, F
 
     async def create() -> tuple[Any, FakeContext]:
         ctx = FakeContext()
-        return make_handler(edge, nursery, probe)({"token_ids": [1]}, ctx), ctx  # type: ignore[arg-type]
+        return make_handler(edge, nursery, probe)[0]({"token_ids": [1]}, ctx), ctx
 
     return await edge.run(create)
 
@@ -225,7 +225,7 @@ async def test_a_stop_dynamo_reads_before_the_producer_looks_still_stops_the_pro
 
             async def create() -> tuple[Any, FakeContext]:
                 ctx = FakeContext()
-                return make_handler(edge, nursery, late)({"token_ids": [1]}, ctx), ctx  # type: ignore[arg-type]
+                return make_handler(edge, nursery, late)[0]({"token_ids": [1]}, ctx), ctx
 
             agen, ctx = await edge.run(create)
             await edge.run(_call_soon, ctx.stop)
@@ -334,7 +334,7 @@ async def test_a_consumer_that_keeps_up_gets_every_chunk_alone() -> None:
         async with open_edge() as edge, trio.open_nursery() as nursery:
 
             async def create() -> Any:
-                return make_handler(edge, nursery, Tokens(edge, 5, pause=0.02))({"token_ids": [1]}, FakeContext())  # type: ignore[arg-type]
+                return make_handler(edge, nursery, Tokens(edge, 5, pause=0.02))[0]({"token_ids": [1]}, FakeContext())
 
             agen = await edge.run(create)
             chunks, error = await take(edge, agen)
@@ -349,7 +349,7 @@ async def test_chunks_pending_while_dynamo_is_busy_are_coalesced_in_order() -> N
             tokens = Tokens(edge, 50, pause=0)
 
             async def read_slowly() -> list[dict[str, Any]]:
-                agen = make_handler(edge, nursery, tokens)({"token_ids": [1]}, FakeContext())  # type: ignore[arg-type]
+                agen = make_handler(edge, nursery, tokens)[0]({"token_ids": [1]}, FakeContext())
                 out = [await agen.__anext__()]
                 # Dynamo busy: the other 49 tokens pile up (the engine has produced them all).
                 await wait_until(lambda: tokens.yielded == 50, timeout=10)
