@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,7 +17,9 @@ import trio.testing
 
 from openengine.v1 import error_pb2
 from openengine.v1 import generation_pb2 as pb
-from openengine_bp.openengine.v1 import EngineRole
+from openengine_bp.openengine.v1 import EngineRole, KvConnectorInfo
+from sidecar.convert import Capabilities
+from sidecar.convert.capabilities import KvConnector
 from sidecar.convert.handoff import session_to_handoff
 from sidecar.dynamo import RequestContext
 from sidecar.errors import DynamoErrorKind, EngineFailure, HandoffMissing, WorkerDraining
@@ -27,12 +30,14 @@ from tests.helpers.scripted_engine import RID, Recorder, ScriptedEngine, Step, c
 Clock = trio.testing.MockClock
 
 
-def server(engine: ScriptedEngine, role: Any, *, inactivity: float = 30.0) -> RequestServer:
+def server(
+    engine: ScriptedEngine, role: Any, *, inactivity: float = 30.0, capabilities: Capabilities | None = None
+) -> RequestServer:
     srv = RequestServer()
     srv.attach(
         ServingContext(
             client=engine,  # type: ignore[arg-type]
-            caps=caps(),
+            caps=capabilities if capabilities is not None else caps(),
             model="tiny",
             context_length=256,
             abort_timeout_s=1.0,
@@ -250,3 +255,91 @@ def test_the_role_defaults_to_what_the_engine_reports() -> None:
         "decode"
     )
     assert dataclasses.replace(base, role="prefill").worker_role == "prefill"
+
+
+def caps_with_abort_cleanup() -> Capabilities:
+    """The fake engine's capabilities with a KV connector that supports abort cleanup."""
+    connector = KvConnectorInfo(
+        enabled=True,
+        transfer_backend="NIXL",
+        supports_remote_prefill=True,
+        supports_decode_pull=False,
+        supports_abort_cleanup=True,
+        schema_version=1,
+    )
+    base = caps()
+    return dataclasses.replace(base, kv_connector=KvConnector.from_message(connector))
+
+
+class CleanupPrefillEngine(ScriptedEngine):
+    """A prefill engine with abort cleanup (``kv_connector.supports_abort_cleanup``): the KV session of a
+    ``PrefillReady`` it sent stays held until a decode engine claims it or an ``Abort`` of its request frees it."""
+
+    def __init__(self, script: list[Step]) -> None:
+        super().__init__(script)
+        #: Requests whose PrefillReady left this engine and whose KV session it still holds.
+        self.sessions: set[str] = set()
+        #: Every request whose PrefillReady left this engine, in order.
+        self.handoffs: list[str] = []
+
+    def start_generate(self, request: pb.GenerateRequest, sink: Any, *, metadata: Any = ()) -> None:
+        def handed_off() -> None:
+            self.handoffs.append(request.request_id)
+            self.sessions.add(request.request_id)
+
+        super().start_generate(request, _HandoffTap(sink, handed_off), metadata=metadata)
+
+    async def abort(self, request_id: str, *, timeout_s: float | None = None) -> Any:
+        response = await super().abort(request_id, timeout_s=timeout_s)
+        self.sessions.discard(request_id)  # the cleanup: the aborted request's KV session is released
+        return response
+
+
+class _HandoffTap:
+    """The data path as the engine's stream sees it, noting when a ``PrefillReady`` goes out."""
+
+    def __init__(self, sink: Any, on_handoff: Callable[[], None]) -> None:
+        self._sink = sink
+        self._on_handoff = on_handoff
+
+    @property
+    def on_cancel(self) -> Any:
+        return self._sink.on_cancel
+
+    @on_cancel.setter
+    def on_cancel(self, value: Any) -> None:
+        self._sink.on_cancel = value
+
+    def push(self, items: list[pb.GenerateResponse]) -> bool:
+        if any(item.WhichOneof("event") == "prefill_ready" for item in items):
+            self._on_handoff()
+        return bool(self._sink.push(items))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sink, name)
+
+
+async def test_a_prefill_leg_stopped_after_its_prefill_ready_is_aborted_and_its_kv_session_freed(
+    autojump_clock: Clock, recorder: Recorder
+) -> None:
+    """Rule: a prefill leg whose stream the frontend stops after the engine's ``PrefillReady`` arrived, but before the
+    engine closed the stream (the handoff chunk waits for that end, so the frontend never got it), is cancelled and
+    aborted like any stopped request: nobody will claim that KV session, and an engine with abort cleanup frees it
+    on the Abort. A handed-off leg is not complete until its handoff reached the frontend."""
+    ready = pb.GenerateResponse(request_id=RID)
+    ready.prefill_ready.kv_session.CopyFrom(engine_session())
+    ready.usage.prompt_tokens = 3
+    ready.usage.completion_tokens = 1
+    # The engine has not closed the stream yet after its terminal when the stop comes (1 s: within the path's 2 s EOF
+    # grace, after which a lingering stream counts as ended).
+    engine = CleanupPrefillEngine([(0.1, [token(0, 1234)]), (0.0, [ready]), (0.0, None)])
+    srv = server(engine, "prefill", capabilities=caps_with_abort_cleanup())
+    out, end = await stopped_client(srv, {"token_ids": [5, 6, 7], "stop_conditions": {"max_tokens": 1}}, 1.0)
+    assert out == [], "the handoff chunk never reached the frontend"
+    assert end == pytest.approx(1.0)
+    assert recorder.events == [("submit", "submitted"), ("first_token", "streaming"), ("cancel", "cancelled")]
+    assert engine.handoffs == [RID], "precondition: the engine handed the leg off (its PrefillReady went out)"
+    assert engine.aborts == [RID], "the handed-off leg is aborted after the stop"
+    assert engine.stream_closed_early == 1
+    assert engine.sessions == set(), "the engine holds no KV session afterwards"
+    assert srv.in_flight == 0
