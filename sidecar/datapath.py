@@ -342,10 +342,20 @@ class DataPath:
             self._engine_ended(None)
 
     def fail(self, error: BaseException) -> None:
-        """The stream failed (a status, a lost connection, a deadline): ``error`` reaches trio after what came first."""
-        if not self._ended:
-            self._release_held_as_is()
-            self._engine_ended(error)
+        """The stream failed (a status, a lost connection, a deadline): ``error`` reaches trio after what came first.
+
+        After the engine's terminal event the answer is complete whatever the stream's status says: TensorRT-LLM's
+        multi-frontend server can end a fully delivered stream with ``UNAVAILABLE`` when its coordinator fails during
+        the request's final cleanup. Such an answer is finished, never failed (a retry would repeat completed work)."""
+        if self._ended:
+            return
+        mapper = self.mapper
+        if mapper.done and mapper.failure is None:
+            log.warning("the engine ended a complete answer with %s; the answer stands", error)
+            self.end()
+            return
+        self._release_held_as_is()
+        self._engine_ended(error)
 
     def fail_cancelled(self) -> None:
         """The producer's own task was cancelled by someone else: the edge loop is shutting down."""

@@ -29,7 +29,10 @@ the final chunk), ``routing.priority`` → ``openengine-priority``, DP rank → 
 a decode leg: its ``kv.session`` decides), the cache salt → ``kv.cache_salt``, prefix-cache bypass →
 ``kv.bypass_prefix_cache``, ``routing.lora_name`` → ``lora_name``, ``multi_modal_data`` → ``media`` in message order
 (:mod:`.media`; with an engine that takes text, ``extra_args.formatted_prompt`` becomes the input). The
-``openengine-extra:{json}`` annotation fills ``GenerateRequest.extra`` (non-portable).
+``openengine-extra:{json}`` annotation fills ``GenerateRequest.extra`` (non-portable); for TensorRT-LLM
+``agent_context.session_id`` (the client's ``X-Dynamo-Session-ID``) becomes ``extra.conversation_id`` on every leg. A
+DP rank is dropped (not refused) with ``n > 1``, which TensorRT-LLM refuses to target; a request id above 1024 UTF-8
+bytes is refused (TensorRT-LLM's multi-frontend server would answer INVALID_ARGUMENT).
 
 Disaggregation (context-first, as TensorRT-LLM schedules it):
 
@@ -220,6 +223,13 @@ FIELD_POLICY: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
         "encoder_result": (_REFUSED, "encoder handoff not supported"),
         "prompt_embeds": (_REFUSED, "prompt embeddings are not in OpenEngine v0.1.0"),
         "require_reasoning": (_REFUSED, "not mapped (as Dynamo's engine-neutral sidecar)"),
+        "agent_context.session_id": (
+            _MAPPED,
+            "extra.conversation_id (trimmed; none when blank) on every leg, for TensorRT-LLM (newer builds place a "
+            "conversation's turns on one rank; the merged server ignores the key); the frontend fills it from the "
+            "client's X-Dynamo-Session-ID header; an openengine-extra annotation's own conversation_id wins",
+        ),
+        "agent_context.*": (_IGNORED, "agent tracing (trajectory, headers, input trigger): the frontend's"),
         "*": (_IGNORED, "router/frontend bookkeeping (router_config_override, kv_hint, migration_link, ...)"),
     }
 )
@@ -436,6 +446,7 @@ def build_generate_request(
     _refuse_unmapped(request, stop, sampling, output, routing)
     leg = _leg(request, role)
 
+    _check_request_id(request_id)
     result = generation_pb2.GenerateRequest(request_id=request_id, model=model)
     ids = _token_ids(request)
     try:
@@ -464,9 +475,10 @@ def build_generate_request(
     _map_lora(result, routing, caps)
     _map_media(result, request, extra_args, caps)
     _map_extra(result, request)
+    _map_conversation(result, request, caps)
     if not engine_detokenize:
         _skip_engine_detokenize(result, logprobs, prompt_logprobs)
-    engine_metadata = _engine_metadata(routing, caps, leg)
+    engine_metadata = _engine_metadata(routing, caps, leg, n)
     cached: int | None = None
     if leg == "prefill":
         max_tokens = _prefill_leg(result)
@@ -765,7 +777,7 @@ def _map_media(
         target.prompt = prompt
 
 
-def _engine_metadata(routing: Mapping[str, Any], caps: Capabilities, leg: Role) -> list[tuple[str, str]]:
+def _engine_metadata(routing: Mapping[str, Any], caps: Capabilities, leg: Role, n: int) -> list[tuple[str, str]]:
     """``openengine-priority`` and ``openengine-target-dp-rank``, each only when the engine can take it."""
     metadata: list[tuple[str, str]] = []
     priority = _int(routing.get("priority"), "routing.priority", -(2**31), INT32_MAX)
@@ -788,12 +800,51 @@ def _engine_metadata(routing: Mapping[str, Any], caps: Capabilities, leg: Role) 
     start = caps.data_parallel_start_rank or 0
     if not start <= rank < start + size:
         raise RequestRejected(f"routing.{key}", f"rank {rank} is outside the engine's ranks [{start}, {start + size})")
+    if n > 1:
+        # TensorRT-LLM refuses a rank target with several outputs (INVALID_ARGUMENT); the router's rank is a
+        # placement hint, so the request goes untargeted rather than failing.
+        return metadata
     metadata.append(("openengine-target-dp-rank", str(rank)))
     return metadata
 
 
 #: ``GenerateRequest.extra`` key of TensorRT-LLM's detokenization switch (a bool: the string "false" is refused).
 DETOKENIZE_KEY: Final = "detokenize"
+#: ``GenerateRequest.extra`` key of TensorRT-LLM's conversation id (a string: another type is refused).
+CONVERSATION_ID_KEY: Final = "conversation_id"
+#: Engines that take ``extra.conversation_id`` as a string: TensorRT-LLM's newer builds read it (conversation
+#: affinity), its merged server ignores unknown ``extra`` keys. Others are not sent it (``extra`` is not portable).
+CONVERSATION_ID_ENGINES: Final = frozenset({"tensorrt_llm"})
+#: Longest request id sent: TensorRT-LLM's multi-frontend server refuses longer ones (UTF-8 bytes) in ``Generate``
+#: and ``Abort``. Dynamo's ids are 36-character UUIDs, the sidecar's canary ids shorter still.
+MAX_REQUEST_ID_BYTES: Final = 1024
+
+
+def _check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_BYTES or len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
+        reason = f"{len(request_id.encode())} UTF-8 bytes; an engine request id is at most {MAX_REQUEST_ID_BYTES}"
+        raise RequestRejected("request_id", reason)
+
+
+def _map_conversation(target: generation_pb2.GenerateRequest, request: Mapping[str, Any], caps: Capabilities) -> None:
+    """``agent_context.session_id`` (trimmed) → ``extra.conversation_id``, the same on every leg and every turn of a
+    conversation, for the engines of :data:`CONVERSATION_ID_ENGINES`."""
+    context = request.get("agent_context")
+    if _is_unset(context):
+        return
+    if not isinstance(context, Mapping):
+        raise RequestRejected("agent_context", f"must be an object, got {type(context).__name__}")
+    session = context.get("session_id")
+    if session is None:
+        return
+    if not isinstance(session, str):
+        raise RequestRejected("agent_context.session_id", f"must be a string, got {type(session).__name__}")
+    session = session.strip()
+    if not session or caps.engine_name not in CONVERSATION_ID_ENGINES or CONVERSATION_ID_KEY in target.extra.fields:
+        return
+    if len(session) > MAX_METADATA_BYTES:
+        raise RequestRejected("agent_context.session_id", f"longer than {MAX_METADATA_BYTES} characters")
+    target.extra.fields[CONVERSATION_ID_KEY].string_value = session
 
 
 def _skip_engine_detokenize(

@@ -2,6 +2,12 @@
 
 Validation happens here, on our side, because a malformed value would otherwise only come back as an
 ``INVALID_ARGUMENT`` from the engine — or, worse, be passed through by an engine that does not check.
+
+Only the three ``openengine-*`` keys of OpenEngine v0.1.0 may be sent; any other key with that prefix is refused
+here, because TensorRT-LLM's newer servers answer an ``openengine-*`` key they do not know with ``UNIMPLEMENTED``.
+Of the three, the request path sends ``openengine-target-dp-rank`` only to an engine that advertises DP-rank
+targeting, ``openengine-priority`` only to one that advertises priority, and ``openengine-routing-key`` never
+(TensorRT-LLM's newer servers refuse it too).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ TRACEPARENT_KEY: Final = "traceparent"
 TRACESTATE_KEY: Final = "tracestate"
 _RESERVED_PREFIX: Final = "openengine-"
 _FIELD_KEYS: Final = frozenset({ROUTING_KEY, TARGET_DP_RANK_KEY, PRIORITY_KEY, TRACEPARENT_KEY, TRACESTATE_KEY})
+#: The ``openengine-*`` keys of OpenEngine v0.1.0.
+_OPENENGINE_KEYS: Final = frozenset({ROUTING_KEY, TARGET_DP_RANK_KEY, PRIORITY_KEY})
 
 # What grpclib (and HTTP/2 header rules for gRPC) accept; checked here so the error names the field.
 _KEY_RE: Final = re.compile(r"^[0-9a-z_.\-]+$")
@@ -74,14 +82,15 @@ class TraceContext:
 class RequestMetadata:
     """Per-request ``Generate`` metadata, validated at construction.
 
-    :param routing_key: ``openengine-routing-key``, non-empty printable ASCII.
+    :param routing_key: ``openengine-routing-key``, non-empty printable ASCII (TensorRT-LLM's merged server ignores it,
+        its newer servers answer UNIMPLEMENTED).
     :param target_dp_rank: ``openengine-target-dp-rank``, a ``uint32`` (send only when the engine advertises DP-rank
         targeting; TensorRT-LLM's baseline answers UNIMPLEMENTED).
     :param priority: ``openengine-priority``, an ``int32``, higher = more urgent (only when the model advertises
         ``generation.supports_priority``).
     :param traceparent: W3C ``traceparent``; ``tracestate`` only together with it.
-    :param extra: further application pairs; the keys above must be set through their fields, and no
-        ``openengine-*`` key may repeat.
+    :param extra: further application pairs; the keys above must be set through their fields, and no other
+        ``openengine-*`` key is allowed.
     """
 
     routing_key: str | None = None
@@ -129,7 +138,8 @@ class RequestMetadata:
 
 
 def check_metadata(pairs: Sequence[tuple[str, str]]) -> None:
-    """Raise :class:`MetadataError` unless ``pairs`` is sendable: valid keys and values, no repeated reserved key.
+    """Raise :class:`MetadataError` unless ``pairs`` is sendable: valid keys and values, no repeated reserved key, no
+    ``openengine-*`` key outside the contract.
 
     Cheap enough for every request (a handful of pairs); it turns what would be an engine INVALID_ARGUMENT (or a
     grpclib ``ValueError`` on the edge thread) into a local error naming the key.
@@ -141,6 +151,8 @@ def check_metadata(pairs: Sequence[tuple[str, str]]) -> None:
             raise MetadataError(f"invalid metadata key {key!r}")
         if key.endswith("-bin"):
             raise MetadataError(f"{key}: binary metadata is not supported here")
+        if key.startswith(_RESERVED_PREFIX) and key not in _OPENENGINE_KEYS:
+            raise MetadataError(f"{key}: not an OpenEngine v0.1.0 metadata key (engines answer UNIMPLEMENTED)")
         if not isinstance(value, str) or not value or not _VALUE_RE.match(value):
             raise MetadataError(f"{key}: value must be non-empty printable ASCII, got {value!r}")
         if key.startswith(_RESERVED_PREFIX) or key in (TRACEPARENT_KEY, TRACESTATE_KEY):

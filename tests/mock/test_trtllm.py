@@ -109,8 +109,15 @@ def test_kv_event_rpcs_are_unimplemented(trt_addr: str) -> None:
     assert (sources[0], subscribe[0]) == (Status.UNIMPLEMENTED, Status.UNIMPLEMENTED)
 
 
-def test_newer_advertises_a_zmq_source_and_still_refuses_subscribe(start_mock: StartMock) -> None:
-    mock = start_mock("--profile", "trtllm-newer")
+def test_newer_lists_no_sources_until_configured_and_still_refuses_subscribe(start_mock: StartMock) -> None:
+    """KV events are off unless TensorRT-LLM's kv_cache_config configures them: an empty list; configured (``--kv-events
+    zmq``), one ZMQ/msgpack source per rank. ``SubscribeKvEvents`` is ``UNIMPLEMENTED`` either way."""
+    unconfigured = start_mock("--profile", "trtllm-newer")
+    sources, subscribe = call(unconfigured.address, _kv_rpcs)
+    assert (sources[0], subscribe[0]) == (Status.OK, Status.UNIMPLEMENTED)
+    empty = call(unconfigured.address, lambda ch: control(ch).GetKvEventSources(kv_pb2.GetKvEventSourcesRequest()))
+    assert list(empty.sources) == []
+    mock = start_mock("--profile", "trtllm-newer", "--kv-events", "zmq")
     subscribe = call(mock.address, _kv_rpcs)[1]
     assert subscribe[0] == Status.UNIMPLEMENTED
     sources = call(mock.address, lambda ch: control(ch).GetKvEventSources(kv_pb2.GetKvEventSourcesRequest()))

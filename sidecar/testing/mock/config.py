@@ -7,6 +7,7 @@ import dataclasses
 import importlib.metadata
 import os
 import stat
+import sys
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -134,6 +135,15 @@ class MockConfig:
     fault_violation: str | None = None
     #: Serve on this Unix domain socket instead of TCP.
     uds: Path | None = None
+    #: Serve frontend processes on the one port (``SO_REUSEPORT``), sharing this process's engine (``frontends.py``).
+    frontends: int = 1
+    #: After a stop signal, the attached frontends hear that the group stops at their next heartbeat (TensorRT-LLM's
+    #: frontends beat once a second), at the latest when the launcher's own stop is over.
+    frontend_heartbeat_secs: float = 1.0
+    #: Attention-DP ranks reported (``parallelism.data_parallel_size``) and accepted by ``openengine-target-dp-rank``.
+    data_parallel_size: int = 1
+    #: The command line this configuration came from (the other frontend processes are started with it).
+    argv: tuple[str, ...] = ()
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -243,6 +253,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=d.host, help="listen address [%(default)s]")
     p.add_argument("--port", type=int, default=d.port, help="listen port; 0 = the OS picks [%(default)s]")
     p.add_argument("--uds", default=None, help="serve on this Unix domain socket instead of TCP")
+    p.add_argument(
+        "--frontends",
+        type=_positive_int,
+        default=d.frontends,
+        metavar="N",
+        help="N server processes on the one --port (SO_REUSEPORT) sharing one engine, as TensorRT-LLM's "
+        "--num_serve_frontends; the kernel spreads connections over them [%(default)s]",
+    )
+    p.add_argument(
+        "--frontend-heartbeat-secs",
+        type=_positive_float,
+        default=d.frontend_heartbeat_secs,
+        help="with --frontends: after a stop signal the other frontends hear of it within this long (their "
+        "heartbeat), meanwhile a new Generate they forward is refused UNAVAILABLE [%(default)s]",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        type=_positive_int,
+        default=d.data_parallel_size,
+        metavar="N",
+        help="attention-DP ranks reported (parallelism.data_parallel_size) and accepted by "
+        "openengine-target-dp-rank [%(default)s]",
+    )
     p.add_argument("--port-file", type=Path, default=None, help="write HOST:PORT (or unix://PATH) here once listening")
     p.add_argument("--model-dir", type=Path, default=None, help="tokenizer/model directory [packaged tiny model]")
     p.add_argument("--served-model-name", default=d.served_model_name, help="[%(default)s]")
@@ -369,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="grpc: stream KV events over SubscribeKvEvents; zmq: publish them on a ZeroMQ PUB socket (vLLM msgpack) "
         "advertised by GetKvEventSources; disabled: no sources; unimplemented: both KV-event RPCs answer "
-        "UNIMPLEMENTED [profile: trtllm unimplemented, trtllm-newer zmq, full grpc]",
+        "UNIMPLEMENTED [profile: trtllm unimplemented, trtllm-newer disabled, full grpc]",
     )
     p.add_argument(
         "--kv-snapshot",
@@ -420,15 +453,31 @@ def _check_tls(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
             _refuse(parser, f"{flag}: {str(path)!r} is not a readable file")
 
 
+def _check_frontends(parser: argparse.ArgumentParser, ns: argparse.Namespace, engine: EngineProfile) -> None:
+    if ns.frontends > 1:
+        if not engine.multi_frontend:
+            reason = "TensorRT-LLM's merged server has no --num_serve_frontends; use --profile trtllm-newer"
+            _refuse(parser, f"--frontends: the {engine.name} profile serves one frontend ({reason})")
+        if ns.uds is not None:
+            _refuse(parser, "--frontends needs TCP (its processes share one port with SO_REUSEPORT), not --uds")
+        if ns.port == 0:
+            _refuse(parser, "--frontends needs a fixed --port, as TensorRT-LLM's --num_serve_frontends")
+    if ns.data_parallel_size > 1 and "data_parallel_size" not in engine.parallelism:
+        reason = "TensorRT-LLM's merged server reports none"
+        _refuse(parser, f"--data-parallel-size: the {engine.name} profile reports no data_parallel_size ({reason})")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> MockConfig:
     """Parse ``argv`` (default ``sys.argv[1:]``) into a :class:`MockConfig`; exits with status 2 on bad flags."""
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    args = tuple(sys.argv[1:] if argv is None else argv)
+    ns = parser.parse_args(args)
     if ns.max_top_n < 0:
         _refuse(parser, "--max-top-n must be >= 0")
     _check_tls(parser, ns)
     uds = _check_uds(parser, ns.uds) if ns.uds is not None else None
     engine = PROFILES[ns.profile]
+    _check_frontends(parser, ns, engine)
     defaults: dict[str, object] = {
         "role": engine.role,
         "engine_name": engine.engine_name,
@@ -502,4 +551,8 @@ def parse_args(argv: Sequence[str] | None = None) -> MockConfig:
         kv_events=pick("kv_events"),
         kv_snapshot=ns.kv_snapshot,
         kv_faults=tuple(ns.kv_fault),
+        frontends=ns.frontends,
+        frontend_heartbeat_secs=ns.frontend_heartbeat_secs,
+        data_parallel_size=ns.data_parallel_size,
+        argv=args,
     )

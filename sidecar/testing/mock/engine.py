@@ -48,6 +48,7 @@ from openengine.v1 import error_pb2, generation_pb2, kv_pb2, lifecycle_pb2, lora
 from .faults import MockFaults
 from .kvcache import Allocation, Block, BlockPool, block_hash, block_namespace, prompt_block_hashes
 from .kvsessions import KvClaimError, KvSessionStore, claim_session, prompt_digest
+from .ledger import RequestLedger
 from .lmapi import context_seed, output_seed, seeded_uniform
 from .structs import fill_struct
 from .textstream import OutputText
@@ -482,6 +483,8 @@ class Engine:
         self._idle.set()
         #: Handler tasks that never end by themselves (KV event subscriptions): a stop does not wait for them.
         self.endless_tasks: set[asyncio.Task[None]] = set()
+        #: Where requests came from (the serve frontends), DP ranks, conversation ids (``mock_stats``).
+        self.ledger = RequestLedger()
 
     @property
     def prefilling(self) -> int:

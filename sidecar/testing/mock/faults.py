@@ -46,6 +46,7 @@ _KEYS = frozenset(
         "violation",
         "tokens",
         "split_finish_ms",
+        "trailing_unavailable",
     }
 )
 
@@ -69,6 +70,9 @@ class MockFaults:
     tokens: tuple[int, ...] | None = None
     #: Milliseconds between an output's last token message and its ``finished`` (``None``: ``--split-finish-ms``).
     split_finish_ms: float | None = None
+    #: After the stream delivered every response (its terminal event included), end it with status ``UNAVAILABLE``
+    #: instead of ``OK``: TensorRT-LLM's coordinator failing during the request's final cleanup.
+    trailing_unavailable: bool = False
 
     @property
     def token_faults(self) -> bool:
@@ -128,6 +132,11 @@ def parse_faults(raw: JsonValue) -> MockFaults:
         if not isinstance(retryable, bool):
             raise FaultError("extra.mock.error_retryable must be a boolean")
         faults = dataclasses.replace(faults, error_retryable=retryable)
+    if "trailing_unavailable" in raw:
+        trailing = raw["trailing_unavailable"]
+        if not isinstance(trailing, bool):
+            raise FaultError("extra.mock.trailing_unavailable must be a boolean")
+        faults = dataclasses.replace(faults, trailing_unavailable=trailing)
     if "violation" in raw:
         violation = _string("violation", raw["violation"])
         if violation not in VIOLATIONS:

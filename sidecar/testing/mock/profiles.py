@@ -93,9 +93,19 @@ class EngineProfile:
     kv_events: KvEventsFlag
     #: ``--startup-delay`` is spent with the port closed (no ``STARTING`` state) rather than listening.
     port_closed_while_loading: bool
+    #: ``SubscribeKvEvents`` with no gRPC source (``--kv-events disabled``) is ``UNIMPLEMENTED``, as TensorRT-LLM's
+    #: Control answers it whatever its configuration (else ``FAILED_PRECONDITION``: events are off).
+    subscribe_unimplemented_without_grpc: bool
+
+    # -- serve frontends (``--frontends N``: N processes on one port sharing one engine) -------------------------------
+    #: ``--frontends N`` above 1 is served (TensorRT-LLM's ``--num_serve_frontends``); else refused at start-up.
+    multi_frontend: bool
+    #: With more than one frontend, request ids (``Generate``, ``Abort``) longer than this many UTF-8 bytes are
+    #: ``INVALID_ARGUMENT`` (the coordinator's limit); None = no limit.
+    frontend_request_id_limit: int | None
 
     # -- Generate: what is refused, accepted or failed ----------------------------------------------------------------
-    #: ``openengine-target-dp-rank`` is accepted in ``[0, dp)`` (else ``UNIMPLEMENTED``).
+    #: ``openengine-target-dp-rank`` is accepted in ``[0, --data-parallel-size)`` (else ``UNIMPLEMENTED``).
     targets_dp_rank: bool
     #: ``openengine-*`` metadata keys it does not know (``openengine-routing-key`` among them) → ``UNIMPLEMENTED``.
     refuses_unknown_metadata: bool
@@ -163,6 +173,9 @@ _TRTLLM = EngineProfile(
     load_report="minimal",
     kv_events="unimplemented",
     port_closed_while_loading=True,
+    subscribe_unimplemented_without_grpc=True,
+    multi_frontend=False,
+    frontend_request_id_limit=None,
     targets_dp_rank=False,
     refuses_unknown_metadata=False,
     checks_extra_types=False,
@@ -191,7 +204,11 @@ _TRTLLM_NEWER = dataclasses.replace(
     trtllm_extra_flags=True,
     max_output_tokens_is_window=False,
     load_report="routing",
-    kv_events="zmq",
+    # KV events are off unless kv_cache_config configures them: GetKvEventSources answers an empty list
+    # (`--kv-events zmq` is the configured publisher).
+    kv_events="disabled",
+    multi_frontend=True,
+    frontend_request_id_limit=1024,
     targets_dp_rank=True,
     refuses_unknown_metadata=True,
     checks_extra_types=True,
@@ -220,6 +237,9 @@ _FULL = EngineProfile(
     load_report="full",
     kv_events="grpc",
     port_closed_while_loading=False,
+    subscribe_unimplemented_without_grpc=False,
+    multi_frontend=True,
+    frontend_request_id_limit=None,
     targets_dp_rank=False,
     refuses_unknown_metadata=False,
     checks_extra_types=True,
@@ -295,8 +315,29 @@ _KV_EVENTS = {
     "unimplemented": "`unimplemented`: both `UNIMPLEMENTED`",
     "zmq": "`zmq`: `GetKvEventSources` → one ZMQ/msgpack source; `SubscribeKvEvents` `UNIMPLEMENTED`",
     "grpc": "`grpc`: both served",
-    "disabled": "`disabled`: no sources",
+    "disabled": "`disabled`: `GetKvEventSources` → an empty list (events not configured)",
 }
+
+
+def _kv_events(p: EngineProfile) -> str:
+    subscribe = _yes(
+        p.subscribe_unimplemented_without_grpc,
+        "`SubscribeKvEvents` without a `grpc` source: `UNIMPLEMENTED`",
+        "`SubscribeKvEvents` with `disabled`: `FAILED_PRECONDITION`",
+    )
+    return f"{_KV_EVENTS[p.kv_events]}; {subscribe}"
+
+
+def _frontends(p: EngineProfile) -> str:
+    if not p.multi_frontend:
+        return "refused (the merged server runs one frontend)"
+    limit = p.frontend_request_id_limit
+    ids = (
+        f"request ids above {limit} UTF-8 bytes (`Generate`, `Abort`) → `INVALID_ARGUMENT`"
+        if limit is not None
+        else "no request id limit"
+    )
+    return f"N processes on one port (`SO_REUSEPORT`) sharing one engine; {ids}"
 
 
 def _stop_words(p: EngineProfile) -> str:
@@ -343,7 +384,11 @@ TABLE: tuple[Row, ...] = (
             f"full `{SCHEMA_RELEASE_FULL}`",
         ),
     ),
-    Row("`parallelism` (each 1)", ("parallelism",), lambda p: _codes(p.parallelism)),
+    Row(
+        "`parallelism` (each 1; `data_parallel_size` = `--data-parallel-size`)",
+        ("parallelism",),
+        lambda p: _codes(p.parallelism),
+    ),
     Row(
         "`capacity.total_kv_blocks`",
         ("reports_total_kv_blocks",),
@@ -383,7 +428,16 @@ TABLE: tuple[Row, ...] = (
         _guided,
     ),
     Row("`GetLoad` (`--load-report`)", ("load_report",), lambda p: _LOAD[p.load_report]),
-    Row("KV-event RPCs (`--kv-events`)", ("kv_events",), lambda p: _KV_EVENTS[p.kv_events]),
+    Row(
+        "KV-event RPCs (`--kv-events`)",
+        ("kv_events", "subscribe_unimplemented_without_grpc"),
+        _kv_events,
+    ),
+    Row(
+        "`--frontends N` (N > 1)",
+        ("multi_frontend", "frontend_request_id_limit"),
+        _frontends,
+    ),
     Row(
         "`--startup-delay`",
         ("port_closed_while_loading",),
@@ -398,7 +452,7 @@ TABLE: tuple[Row, ...] = (
         ("targets_dp_rank",),
         lambda p: _yes(
             p.targets_dp_rank,
-            "accepted in `[0, 1)`; out of range, not an integer, or with n > 1 → `INVALID_ARGUMENT`",
+            "accepted in `[0, --data-parallel-size)`; out of range, not an integer, or with n > 1 → `INVALID_ARGUMENT`",
             "`UNIMPLEMENTED`",
         ),
     ),

@@ -16,17 +16,20 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import ssl
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sidecar.http2 import NO_STREAM_LIMIT, GrpcCoreServer, grpclib_configuration
+from sidecar.http2 import NO_STREAM_LIMIT, GrpcCoreServer
 
 from .engine import Engine
+from .frontends import FrontendGroup, frontend_wiring, serve_attached_frontend, server_config
 from .service import ControlService, InferenceService, LimitedProtoCodec
 
 if TYPE_CHECKING:
@@ -47,8 +50,6 @@ log = logging.getLogger("openengine_mock")
 
 #: Default ``--stop-grace-secs`` (TensorRT-LLM: ``stop(grace=5)``).
 STOP_GRACE_S = 5.0
-#: Inbound HTTP/2 windows: bounded so one connection cannot queue megabytes ahead of the handlers (grpc-stack §4.2).
-_WINDOW_BYTES = 1024 * 1024
 _WILDCARDS = ("", "0.0.0.0", "::")
 #: The name other modules (and older tests) use for the server class: grpclib's ``Server`` with grpcio's stream limit
 #: (none unless ``--max-concurrent-streams``) and grpc-core's graceful stop, from the owned HTTP/2 layer.
@@ -76,6 +77,13 @@ def _load_model(config: MockConfig) -> LanguageModel:
 
 async def serve(config: MockConfig, lm: LanguageModel | None = None) -> int:
     """Run the mock until a stop signal; returns the process exit code."""
+    wiring = frontend_wiring()
+    if wiring is not None:  # an attached frontend of a --frontends group (frontends.py): no engine of its own
+        try:
+            tls = _tls_context(config)
+        except (OSError, ssl.SSLError) as exc:
+            return _refuse(f"TLS: cannot load the certificate, key or client CA: {exc}")
+        return await serve_attached_frontend(config, wiring, tls)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -109,22 +117,23 @@ async def _serve(config: MockConfig, lm: LanguageModel | None, stop: asyncio.Eve
         if stop.is_set():
             return 0
         engine.ready = True
+    control = ControlService(engine)
     server = MockServer(
-        [InferenceService(engine), ControlService(engine)],
+        [InferenceService(engine), control],
         max_concurrent_streams=config.max_concurrent_streams,
         hold_writes=engine.step_clock is not None,
         codec=LimitedProtoCodec(),
-        config=grpclib_configuration(
-            keepalive_s=30.0,
-            keepalive_timeout_s=10.0,
-            keepalive_without_calls=True,
-            stream_window_bytes=_WINDOW_BYTES,
-            connection_window_bytes=_WINDOW_BYTES,
-        ),
+        config=server_config(),
     )
     if engine.step_clock is not None:  # a step's messages leave together, one write per connection
         engine.step_clock.hold_writes = server.hold_writes
         engine.step_clock.release_writes = server.release_writes
+    group: _Group | None = None
+    if config.frontends > 1:
+        problem = _port_taken(config.host, config.port)
+        if problem is not None:
+            return _refuse(f"cannot listen on {format_address(config.host, config.port)}: {problem}")
+        group = _Group(config, engine, control)
     try:
         if config.uds is not None:
             with contextlib.suppress(FileNotFoundError):
@@ -134,7 +143,7 @@ async def _serve(config: MockConfig, lm: LanguageModel | None, stop: asyncio.Eve
             engine.listen_host, engine.listen_port = host, 0
             address = f"unix://{config.uds.absolute()}"
         else:
-            await server.start(config.host, config.port, ssl=tls)
+            await server.start(config.host, config.port, ssl=tls, reuse_port=group is not None)
             sockets: Sequence[socket.socket] = getattr(server.listener, "sockets", ())  # asyncio's and uvloop's
             bound = sockets[0].getsockname()
             host = config.host if config.host not in _WILDCARDS else "127.0.0.1"
@@ -145,6 +154,14 @@ async def _serve(config: MockConfig, lm: LanguageModel | None, stop: asyncio.Eve
         where = f"unix socket {str(uds)!r}" if uds is not None else format_address(config.host, config.port)
         return _refuse(f"cannot listen on {where}: {exc.strerror or exc}")
     await engine.kv_sessions.start(host)  # the KV transfer channel of disaggregated legs (kvsessions.py)
+    if group is not None:
+        try:
+            await group.start()
+        except (RuntimeError, OSError) as exc:
+            server.cut()
+            await group.close()
+            await engine.kv_sessions.close()
+            return _refuse(f"--frontends: {exc}")
     if config.port_file is not None:
         write_port_file(config.port_file, address)
     print(f"openengine-mock listening on {address}", flush=True)
@@ -159,19 +176,91 @@ async def _serve(config: MockConfig, lm: LanguageModel | None, stop: asyncio.Eve
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGUSR1, _toggle_health, engine)
     startup = asyncio.create_task(engine.run_startup())
+    failure: list[str] = []
+    watch = asyncio.create_task(group.watch(failure, stop) if group is not None else asyncio.Event().wait())
     try:
         await stop.wait()
+        heartbeat: asyncio.TimerHandle | None = None
+        if group is not None:
+            # The engine stops admitting at once; the other frontends hear of it at their next heartbeat and then
+            # stop as this one does (their own GOAWAY and grace).
+            engine.draining = True
+            heartbeat = loop.call_later(config.frontend_heartbeat_secs, group.signal_stop)
         await _stop(server, engine, config.stop_grace_secs)
+        if heartbeat is not None:
+            heartbeat.cancel()
     finally:
         startup.cancel()
         if engine.step_clock is not None:
             engine.step_clock.close()
+        watch.cancel()
+        if group is not None:
+            await group.close()
         await engine.kv_sessions.close()
         if config.uds is not None:
             with contextlib.suppress(OSError):
                 config.uds.unlink()
+    if failure:
+        log.error("stopped: %s", failure[0])
+        return 1
     log.info("stopped")
     return 0
+
+
+def _port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` is held by another process (a bind without ``SO_REUSEPORT`` fails), or None."""
+    family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
+    try:
+        with socket.create_server((host, port), family=family):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
+class _Group:
+    """The launcher's half of ``--frontends``: the engine on a private socket, the attached frontends around it."""
+
+    def __init__(self, config: MockConfig, engine: Engine, control: ControlService) -> None:
+        self._config = config
+        self._dir = tempfile.mkdtemp(prefix="oe-mock-")  # mode 0700: only this user reaches the engine
+        self._socket = os.path.join(self._dir, "engine.sock")
+        self._private = MockServer(
+            [InferenceService(engine, private=True), ControlService(engine, kv_feed=control.kv_feed, private=True)],
+            codec=LimitedProtoCodec(),
+            config=server_config(),
+        )
+        self._frontends = FrontendGroup(config, self._socket, engine.ledger)
+
+    async def start(self) -> None:
+        if len(os.fsencode(self._socket)) > 107:
+            raise RuntimeError(f"the private socket path {self._socket!r} is too long; set TMPDIR to a shorter one")
+        await self._private.start(path=self._socket)
+        await self._frontends.start()
+        # Every frontend is connected: the socket's file and directory go now (the listener keeps serving them).
+        os.unlink(self._socket)
+        os.rmdir(self._dir)
+        log.info("serving frontends %s", {0: os.getpid(), **self._frontends.pids})
+
+    async def watch(self, failure: list[str], stop: asyncio.Event) -> None:
+        def failed(reason: str) -> None:
+            log.error("%s", reason)
+            failure.append(reason)
+            stop.set()
+
+        await self._frontends.watch(failed)
+
+    def signal_stop(self) -> None:
+        self._frontends.signal_stop()
+
+    async def close(self) -> None:
+        """After the launcher's own stop: wait for the attached frontends, then close the private socket."""
+        self._frontends.signal_stop()
+        await self._frontends.wait_stopped()
+        self._private.cut()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._private.wait_closed(), STOP_GRACE_S)
+        self._frontends.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 async def _stop(server: MockServer, engine: Engine, grace: float) -> None:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from grpclib.const import Status
 from grpclib.encoding.proto import ProtoCodec
@@ -25,8 +25,9 @@ from sidecar.http2 import drop_connection
 
 from .kvcache import BLOCK_HASH_ALGO
 from .kvevents import KvEventFeed, KvFault, Subscription
+from .ledger import DROP_KEY, Origin, private_origin, public_origin
 from .structs import fill_struct
-from .validate import Rejection
+from .validate import Rejection, check_request_id_length
 
 if TYPE_CHECKING:
     from grpclib._typing import IProtoMessage
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
     from .engine import Engine
 
-__all__ = ["MAX_MESSAGE_BYTES", "ControlService", "InferenceService", "LimitedProtoCodec"]
+__all__ = ["MAX_MESSAGE_BYTES", "ControlService", "InferenceService", "LimitedProtoCodec", "recv_request"]
 
 log = logging.getLogger("openengine_mock")
 
@@ -81,7 +82,7 @@ class LimitedProtoCodec(ProtoCodec):
         return super().decode(data, message_type)
 
 
-async def _recv(stream: Stream[_Req, _Resp], method: str) -> _Req:
+async def recv_request(stream: Stream[_Req, _Resp], method: str) -> _Req:
     """The single request message; undecodable bytes → ``INTERNAL`` as grpcio answers them."""
     try:
         message = await stream.recv_message()
@@ -107,7 +108,7 @@ def _fail(method: str, exc: Exception) -> GRPCError:
 
 
 async def _unary(stream: Stream[_Req, _Resp], method: str, handle: Callable[[_Req], Awaitable[_Resp]]) -> None:
-    request = await _recv(stream, method)
+    request = await recv_request(stream, method)
     try:
         response = await handle(request)
     except Exception as exc:
@@ -131,34 +132,71 @@ def _check_adapter(adapter: lora_pb2.LoraAdapter) -> None:
         )
 
 
-class InferenceService(openengine_grpc.InferenceBase):
-    """``openengine.v1.Inference``."""
+def _origin(stream: Stream[Any, Any], private: bool) -> Origin:
+    return private_origin(stream.metadata) if private else public_origin(stream)
 
-    def __init__(self, engine: Engine) -> None:
+
+class InferenceService(openengine_grpc.InferenceBase):
+    """``openengine.v1.Inference``. ``private``: served on the launcher's private socket to the attached frontends,
+    which say in private metadata where a request came from (``frontends.py``)."""
+
+    def __init__(self, engine: Engine, *, private: bool = False) -> None:
         self._engine = engine
+        self._private = private
 
     async def Generate(self, stream: Stream[generation_pb2.GenerateRequest, generation_pb2.GenerateResponse]) -> None:
-        request = await _recv(stream, "Generate")
+        request = await recv_request(stream, "Generate")
+        engine = self._engine
+        if engine.draining and engine.config.frontends > 1:
+            # TensorRT-LLM's coordinator refuses a reservation once the group is stopping (CoordinationError).
+            raise GRPCError(Status.UNAVAILABLE, "Frontend group is not ready")
         try:
-            req = self._engine.accept(request, stream.metadata)
+            req = engine.accept(request, stream.metadata)
         except Exception as exc:
             raise _fail("Generate", exc) from None
-        await self._engine.generate(req, stream.send_message, lambda: _drop_connection(stream))
+        origin = _origin(stream, self._private)
+        engine.ledger.note_generate(req.plan, origin)
+        if engine.config.frontends > 1:
+            log.info("request %r came in on frontend %d from %s", req.plan.request_id, origin.frontend, origin.peer)
+        dropped = False
+
+        def drop() -> None:
+            nonlocal dropped
+            dropped = True
+            if not self._private:
+                _drop_connection(stream)
+
+        await engine.generate(req, stream.send_message, drop)
+        if dropped and self._private:
+            # The attached frontend closes its client's connection (the fault is about that one, not this socket).
+            await stream.send_trailing_metadata(metadata={DROP_KEY: "1"})
+        elif req.plan.faults.trailing_unavailable and req.terminal_sent:
+            engine.served["trailing_unavailable"] += 1
+            log.warning("request %r: all sent; ending with UNAVAILABLE (trailing_unavailable)", request.request_id)
+            raise GRPCError(Status.UNAVAILABLE, "OpenEngine coordinator unavailable during request cleanup")
 
 
 class ControlService(openengine_grpc.ControlBase):
-    """``openengine.v1.Control``."""
+    """``openengine.v1.Control`` (``private``: as :class:`InferenceService`)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, kv_feed: KvEventFeed | None = None, private: bool = False) -> None:
         self._engine = engine
         self._config = engine.config
-        #: The KV event stream over the engine's block pool (``kvevents.py``); faults from ``--kv-fault``.
-        self.kv_feed = KvEventFeed(
+        self._private = private
+        #: The KV event stream over the engine's block pool (``kvevents.py``); faults from ``--kv-fault``. One per
+        #: engine: the private socket's service shares the public one's.
+        self.kv_feed = kv_feed or KvEventFeed(
             engine.pool,
             faults=[(seq, cast("KvFault", kind)) for seq, kind in engine.config.kv_faults],
             lora_id_of=lambda name: adapter.lora_id if (adapter := engine.loras.get(name)) is not None else 0,
             enabled=engine.config.kv_events in ("grpc", "zmq"),
         )
+
+    async def _unary(
+        self, stream: Stream[_Req, _Resp], method: str, handle: Callable[[_Req], Awaitable[_Resp]]
+    ) -> None:
+        self._engine.ledger.note_control(_origin(stream, self._private))
+        await _unary(stream, method, handle)
 
     # -- discovery ---------------------------------------------------------------------------------------------------
 
@@ -175,8 +213,8 @@ class ControlService(openengine_grpc.ControlBase):
             schema_release=cfg.schema_release,
         )
         engine = cfg.engine
-        for size in engine.parallelism:  # one engine, one rank: every size the profile reports is 1
-            setattr(info.parallelism, size, 1)
+        for size in engine.parallelism:  # one engine: every size the profile reports is 1, but attention DP's
+            setattr(info.parallelism, size, cfg.data_parallel_size if size == "data_parallel_size" else 1)
         capacity = info.capacity
         capacity.kv_block_size = cfg.kv_block_size
         if engine.reports_total_kv_blocks:
@@ -215,6 +253,7 @@ class ControlService(openengine_grpc.ControlBase):
             "prefilling_requests": served.prefilling,
             "active_kv_sessions": served.kv_sessions.active,
             "used_kv_blocks": served.pool.used_blocks,
+            **served.ledger.stats(),
         }
         fill_struct(info.extra, {"mock_stats": stats})
         return info
@@ -258,10 +297,10 @@ class ControlService(openengine_grpc.ControlBase):
         return info
 
     async def GetServerInfo(self, stream: Stream[server_pb2.GetServerInfoRequest, server_pb2.ServerInfo]) -> None:
-        await _unary(stream, "GetServerInfo", self._server_info)
+        await self._unary(stream, "GetServerInfo", self._server_info)
 
     async def GetModelInfo(self, stream: Stream[model_pb2.GetModelInfoRequest, model_pb2.ModelInfo]) -> None:
-        await _unary(stream, "GetModelInfo", self._model_info)
+        await self._unary(stream, "GetModelInfo", self._model_info)
 
     # -- load, health, abort -----------------------------------------------------------------------------------------
 
@@ -269,18 +308,28 @@ class ControlService(openengine_grpc.ControlBase):
         return self._engine.load(request)
 
     async def _abort(self, request: lifecycle_pb2.AbortRequest) -> lifecycle_pb2.AbortResponse:
+        if request.WhichOneof("target") == "request_id":
+            check_request_id_length(request.request_id, self._config)  # refused before the coordinator
         response = self._engine.abort(request)
         log.info("Abort(%s): %s", request.WhichOneof("target"), lifecycle_pb2.AbortStatus.Name(response.status))
         return response
 
     async def GetLoad(self, stream: Stream[server_pb2.GetLoadRequest, server_pb2.LoadInfo]) -> None:
-        await _unary(stream, "GetLoad", self._load)
+        await self._unary(stream, "GetLoad", self._load)
 
     async def Health(self, stream: Stream[lifecycle_pb2.HealthRequest, lifecycle_pb2.HealthResponse]) -> None:
-        await _unary(stream, "Health", self._engine.health)
+        await self._unary(stream, "Health", self._engine.health)
 
     async def Abort(self, stream: Stream[lifecycle_pb2.AbortRequest, lifecycle_pb2.AbortResponse]) -> None:
-        await _unary(stream, "Abort", self._abort)
+        origin = _origin(stream, self._private)
+
+        async def abort(request: lifecycle_pb2.AbortRequest) -> lifecycle_pb2.AbortResponse:
+            response = await self._abort(request)  # a refused one (an id too long) is not noted
+            if request.WhichOneof("target") == "request_id":
+                self._engine.ledger.note_abort(request.request_id, origin)
+            return response
+
+        await self._unary(stream, "Abort", abort)
 
     # -- LoRA (wire §7.9; UNIMPLEMENTED unless --capability lora=true, as TensorRT-LLM) -------------------------------
 
@@ -327,13 +376,13 @@ class ControlService(openengine_grpc.ControlBase):
         return lora_pb2.ListLorasResponse(adapters=adapters)
 
     async def LoadLora(self, stream: Stream[lora_pb2.LoadLoraRequest, lora_pb2.LoadLoraResponse]) -> None:
-        await _unary(stream, "LoadLora", self._load_lora)
+        await self._unary(stream, "LoadLora", self._load_lora)
 
     async def UnloadLora(self, stream: Stream[lora_pb2.UnloadLoraRequest, lora_pb2.UnloadLoraResponse]) -> None:
-        await _unary(stream, "UnloadLora", self._unload_lora)
+        await self._unary(stream, "UnloadLora", self._unload_lora)
 
     async def ListLoras(self, stream: Stream[lora_pb2.ListLorasRequest, lora_pb2.ListLorasResponse]) -> None:
-        await _unary(stream, "ListLoras", self._list_loras)
+        await self._unary(stream, "ListLoras", self._list_loras)
 
     # -- KV events (kvevents.py; --kv-events, --kv-snapshot, --kv-fault) --------------------------------------------
 
@@ -351,13 +400,15 @@ class ControlService(openengine_grpc.ControlBase):
     async def GetKvEventSources(
         self, stream: Stream[kv_pb2.GetKvEventSourcesRequest, kv_pb2.GetKvEventSourcesResponse]
     ) -> None:
-        await _unary(stream, "GetKvEventSources", self._kv_sources)
+        await self._unary(stream, "GetKvEventSources", self._kv_sources)
 
     def _kv_subscribe(self, request: kv_pb2.SubscribeKvEventsRequest) -> Subscription:
         mode = self._config.kv_events
         if mode == "unimplemented":
             raise Rejection(Status.UNIMPLEMENTED, "SubscribeKvEvents is not supported")
         if mode == "disabled":
+            if self._config.engine.subscribe_unimplemented_without_grpc:
+                raise Rejection(Status.UNIMPLEMENTED, "SubscribeKvEvents is not supported (KV events are off)")
             raise Rejection(Status.FAILED_PRECONDITION, "KV events are disabled on this engine")
         if mode == "zmq":
             raise Rejection(Status.UNIMPLEMENTED, "SubscribeKvEvents is not supported (KV events are published on ZMQ)")
@@ -370,7 +421,8 @@ class ControlService(openengine_grpc.ControlBase):
     async def SubscribeKvEvents(
         self, stream: Stream[kv_pb2.SubscribeKvEventsRequest, kv_pb2.SubscribeKvEventsResponse]
     ) -> None:
-        request = await _recv(stream, "SubscribeKvEvents")
+        request = await recv_request(stream, "SubscribeKvEvents")
+        self._engine.ledger.note_control(_origin(stream, self._private))
         try:
             sub = self._kv_subscribe(request)
         except Exception as exc:

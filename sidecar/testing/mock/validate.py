@@ -42,6 +42,7 @@ __all__ = [
     "Rejection",
     "ReplayLogprob",
     "RequestPlan",
+    "check_request_id_length",
     "validate_request",
 ]
 
@@ -147,6 +148,10 @@ class RequestPlan:
     deferred_error: str | None = None
     #: Milliseconds between an output's last token message and its ``finished``.
     split_finish_ms: float = 0.0
+    #: ``openengine-target-dp-rank`` (None: not sent).
+    target_dp_rank: int | None = None
+    #: ``extra.conversation_id`` when it is a string (None: not sent).
+    conversation_id: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -229,14 +234,13 @@ def _placeholder_checks(text: str, media: tuple[MediaInput, ...]) -> None:
 
 #: ``openengine-*`` metadata keys TensorRT-LLM's newer servers know; any other one is ``UNIMPLEMENTED`` there.
 _NEWER_METADATA_KEYS = frozenset({"openengine-priority", "openengine-target-dp-rank"})
-#: Attention-DP ranks of the mock (one engine, rank 0).
-_DP_SIZE = 1
 
 
-def _metadata_checks(metadata: MultiDict[str | bytes] | None, config: MockConfig, n: int) -> int:
-    """gRPC metadata rules (wire §7.6 as TRT applies them); returns the priority (0 = default)."""
+def _metadata_checks(metadata: MultiDict[str | bytes] | None, config: MockConfig, n: int) -> tuple[int, int | None]:
+    """gRPC metadata rules (wire §7.6 as TRT applies them); returns the priority (0 = default) and the DP rank
+    targeted (None: not sent)."""
     if metadata is None:
-        return 0
+        return 0, None
     keys = {k.lower() for k in metadata}
     for key in sorted(keys):
         if key.startswith("openengine-") and len(metadata.getall(key)) > 1:
@@ -258,15 +262,18 @@ def _metadata_checks(metadata: MultiDict[str | bytes] | None, config: MockConfig
             raise _invalid(f"metadata openengine-priority must be a base-10 int32, got {text!r}")
         priority = int(text)
     raw_rank = metadata.get("openengine-target-dp-rank")
+    rank: int | None = None
     if raw_rank is not None:
         if not config.engine.targets_dp_rank:
             raise _unimplemented("metadata openengine-target-dp-rank is not supported")
         text = raw_rank.decode() if isinstance(raw_rank, bytes) else raw_rank
-        if not _DECIMAL.fullmatch(text.strip()) or not 0 <= int(text) < _DP_SIZE:
-            raise _invalid(f"metadata openengine-target-dp-rank must be in [0, {_DP_SIZE}), got {text!r}")
+        size = config.data_parallel_size
+        if not _DECIMAL.fullmatch(text.strip()) or not 0 <= int(text) < size:
+            raise _invalid(f"metadata openengine-target-dp-rank must be in [0, {size}), got {text!r}")
         if n > 1:
             raise _invalid("metadata openengine-target-dp-rank cannot be combined with num_sequences > 1")
-    return priority
+        rank = int(text)
+    return priority, rank
 
 
 def _extra(request: generation_pb2.GenerateRequest) -> dict[str, JsonValue]:
@@ -409,6 +416,7 @@ class _Extra:
 
     context_only: bool
     detokenize: bool
+    conversation_id: str | None
 
 
 def _fault_spec(
@@ -433,10 +441,18 @@ def _fault_spec(
     return faults
 
 
+def check_request_id_length(request_id: str, config: MockConfig) -> None:
+    """With several frontends, an id the coordinator cannot carry is ``INVALID_ARGUMENT`` (``Generate``, ``Abort``)."""
+    limit = config.engine.frontend_request_id_limit
+    if limit is not None and config.frontends > 1 and len(request_id.encode()) > limit:
+        raise _invalid(f"request_id must not exceed {limit} UTF-8 bytes with multiple frontends")
+
+
 def _identity(request: generation_pb2.GenerateRequest, config: MockConfig, is_live: Callable[[str], bool]) -> None:
     """Steps 1–3: request id, model, duplicate id."""
     if not request.request_id:
         raise _invalid("request_id must not be empty")
+    check_request_id_length(request.request_id, config)
     if not request.model:
         raise _invalid("model must not be empty")
     if request.model not in config.model_names and not config.engine.serves_unknown_models:
@@ -626,9 +642,14 @@ def _extra_options(extra: dict[str, JsonValue], config: MockConfig, has_session:
         if engine.checks_extra_types:
             raise _invalid(f"extra.detokenize must be a boolean, got {detokenize!r}")
         detokenize = True
-    if engine.checks_extra_types and "conversation_id" in extra and not isinstance(extra["conversation_id"], str):
+    conversation = extra.get("conversation_id")
+    if engine.checks_extra_types and "conversation_id" in extra and not isinstance(conversation, str):
         raise _invalid("extra.conversation_id must be a string")
-    return _Extra(context_only=request_type == "context_only", detokenize=detokenize)
+    return _Extra(
+        context_only=request_type == "context_only",
+        detokenize=detokenize,
+        conversation_id=conversation if isinstance(conversation, str) else None,
+    )
 
 
 def _cache_salt(request: generation_pb2.GenerateRequest, config: MockConfig) -> str | None:
@@ -747,7 +768,7 @@ def validate_request(
         raise _invalid(f"extra.mock.tokens: token id {bad} is out of range (vocab_size={lm.vocab_size})")
     has_session = request.HasField("kv") and request.kv.HasField("session")
     options = _extra_options(extra, config, has_session)
-    priority = _metadata_checks(metadata, config, sampling.n)  # 7
+    priority, target_dp_rank = _metadata_checks(metadata, config, sampling.n)  # 7
     cache_salt = _cache_salt(request, config)  # 8
     session = _disaggregation(request, config, lm, options.context_only, sampling.n)  # 9
     budget = _engine_limits(  # 10
@@ -802,4 +823,6 @@ def validate_request(
         trim_stops=token_stops and not stops.include_stop,
         deferred_error=deferred[0] if deferred else None,
         split_finish_ms=faults.split_finish_ms if faults.split_finish_ms is not None else config.split_finish_ms,
+        target_dp_rank=target_dp_rank,
+        conversation_id=options.conversation_id,
     )
