@@ -48,6 +48,7 @@ class TheirFlag:
     choices: tuple[str, ...]
 
 
+_QUIET = {"DYN_SKIP_SGLANG_LOG_FORMATTING": "1"}
 _FLAG_LINE = re.compile(r"^\s+(?:-\w, )?(--[a-z][a-z-]*)(?: <[A-Z_]+>)?\s*$")
 
 
@@ -60,7 +61,8 @@ def dynamo_sidecar_flags() -> list[TheirFlag]:
         text=True,
         timeout=60,
         check=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith(("DYN_", "TRTLLM_"))},
+        # Its launcher runs Dynamo's logging setup first, which would leave a $TMPDIR/tmp*.json (issue 36 §3).
+        env={**{k: v for k, v in os.environ.items() if not k.startswith(("DYN_", "TRTLLM_"))}, **_QUIET},
     ).stdout
     blocks: list[tuple[str, bool, list[str]]] = []
     for line in out.splitlines():
