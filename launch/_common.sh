@@ -12,6 +12,9 @@ fi
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/_usage.sh"
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# Dynamo's logging setup writes SGLang's log config to a new $TMPDIR/tmp*.json on every frontend start, never removed;
+# nothing here runs SGLang.
+export DYN_SKIP_SGLANG_LOG_FORMATTING=1
 [ -x "$root/.venv/bin/python" ] && . "$root/.venv/bin/activate"
 
 # need_value FLAG [VALUE ...]: the flag must be followed by a value (not by another flag).

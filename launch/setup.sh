@@ -58,6 +58,7 @@ if [ -n "$problems" ]; then
   echo "$problems" >&2
   exit 1
 fi
-python -c "import dynamo.frontend.main, dynamo.llm, sidecar.cli, sidecar.testing.mock.server" \
+# Importing dynamo.frontend runs Dynamo's logging setup, which would leave SGLang's log config in $TMPDIR/tmp*.json.
+DYN_SKIP_SGLANG_LOG_FORMATTING=1 python -c "import dynamo.frontend.main, dynamo.llm, sidecar.cli, sidecar.testing.mock.server" \
   || { echo "setup: the installed packages do not import (see above)" >&2; exit 1; }
 say "done: . $venv/bin/activate"

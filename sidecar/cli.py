@@ -3,6 +3,11 @@
 Every flag has an environment twin in Dynamo's conventions (``DYN_NAMESPACE``, ``DYN_SIDECAR_GRPC_ENDPOINT``, …);
 the flag wins over the variable. Validation happens here, before anything starts, so a bad flag fails fast with
 one line naming the flag (exit status 2, like argparse).
+
+Every flag and variable of Dynamo's own TensorRT-LLM sidecar (``python -m dynamo.trtllm.sidecar``, ai-dynamo 1.6.1)
+is accepted with its meaning and default, so that a manifest can swap the command and keep its arguments
+(``docs/operator-guide.md``, "Dynamo's own sidecar, flag by flag"); what OpenEngine v0.1.0 cannot carry is refused
+in one line that says why.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -19,6 +25,10 @@ from sidecar.config import ENDPOINT_TYPES, ConfigError, SidecarConfig
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, MutableMapping, Sequence
+
+
+#: ``--context-length``'s twins: ours, then the one Dynamo's own TensorRT-LLM sidecar reads.
+CONTEXT_LENGTH_VARIABLES = ("DYN_CONTEXT_LENGTH", "TRTLLM_CONTEXT_LENGTH")
 
 
 def _env(name: str) -> str | None:
@@ -175,20 +185,24 @@ def build_parser() -> argparse.ArgumentParser:
         model,
         "--model-path",
         "DYN_MODEL_PATH",
-        "local directory with the tokenizer and chat template the frontend uses (no weights needed)",
+        "the model's tokenizer and chat template for the frontend (no weights needed): a local directory, or a "
+        "Hugging Face model id (org/name) Dynamo fetches through the hub and its cache (HF_HOME, HF_TOKEN, "
+        "HF_HUB_OFFLINE), as Dynamo's own sidecar does. Also the model's name unless --served-model-name is given",
     )
     add(
         model,
         "--served-model-name",
         "DYN_SERVED_MODEL_NAME",
-        "name clients use in `model`; default: the engine's served_model_name",
+        "name clients use in `model`; default: --model-path exactly as given (Dynamo's own sidecar names the model "
+        "so); the engine's own model names are registered as aliases either way",
     )
-    add(
-        model,
+    model.add_argument(
         "--context-length",
-        "DYN_CONTEXT_LENGTH",
-        "context window in tokens; wins over the engine's max_context_length (a disagreement is logged)",
+        default=None,
         type=_positive(int),
+        help="context window in tokens; wins over the engine's max_context_length (a disagreement is logged). The "
+        "flag wins over both variables; set both and they must agree (TRTLLM_CONTEXT_LENGTH is the variable of "
+        f"Dynamo's own sidecar) [env {CONTEXT_LENGTH_VARIABLES[0]}, {CONTEXT_LENGTH_VARIABLES[1]}]",
     )
     add(
         model,
@@ -203,8 +217,32 @@ def build_parser() -> argparse.ArgumentParser:
         model,
         "--endpoint-types",
         "DYN_ENDPOINT_TYPES",
-        "comma-separated OpenAI endpoints to register: chat, completions",
+        "comma-separated OpenAI endpoints to register: chat, completions (embeddings, tensor and prefill are refused: "
+        "OpenEngine v0.1.0 carries none of them)",
         default="chat,completions",
+    )
+    add(
+        model,
+        "--custom-jinja-template",
+        "DYN_CUSTOM_JINJA_TEMPLATE",
+        "a Jinja chat template file for the model card, used by the frontend instead of the model's own",
+    )
+    add(
+        model,
+        "--exclude-tools-when-tool-choice-none",
+        "DYN_EXCLUDE_TOOLS_WHEN_TOOL_CHOICE_NONE",
+        "the model card tells the frontend to leave the tools out of the chat template when a request's tool_choice "
+        "is none",
+        default="true",
+        choices=("true", "false"),
+    )
+    add(
+        model,
+        "--dyn-default-thinking-mode",
+        "DYN_DEFAULT_THINKING_MODE",
+        "the deployment's default thinking mode, published in the model card for the frontend's chat template (a "
+        "request's own thinking controls win); unset: the template's default",
+        choices=("enabled", "disabled"),
     )
     add(
         model,
@@ -222,12 +260,29 @@ def build_parser() -> argparse.ArgumentParser:
         model,
         "--disaggregation-mode",
         "DYN_DISAGGREGATION_MODE",
-        "agg, prefill or decode; used when the engine reports no role (TensorRT-LLM reports UNSPECIFIED)",
-        choices=("agg", "prefill", "decode"),
+        "agg, prefill or decode; used when the engine reports no role (TensorRT-LLM reports UNSPECIFIED); unset: "
+        "the engine's role, else agg. encode is refused: an encode worker runs a multimodal encoder, which OpenEngine "
+        "v0.1.0 has no RPC for",
+        choices=("agg", "prefill", "decode", "encode"),
+    )
+    model.add_argument(
+        "--route-to-encoder",
+        action="store_const",
+        const="true",
+        default=_env("DYN_ROUTE_TO_ENCODER") or False,
+        help="refused when set: it declares an upstream encode worker, which no OpenEngine v0.1.0 engine can be "
+        "(DYN_ROUTE_TO_ENCODER=false is accepted, as Dynamo's sidecar accepts it) [env DYN_ROUTE_TO_ENCODER]",
     )
 
     dynamo = parser.add_argument_group("Dynamo")
-    add(dynamo, "--namespace", "DYN_NAMESPACE", "Dynamo namespace", default="dynamo")
+    add(
+        dynamo,
+        "--namespace",
+        "DYN_NAMESPACE",
+        "Dynamo namespace; DYN_NAMESPACE_WORKER_SUFFIX (set by Dynamo's operator during rolling updates) is appended "
+        "as -SUFFIX unless it is empty or the namespace already ends with it",
+        default="dynamo",
+    )
     add(
         dynamo,
         "--component",
@@ -239,10 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
         dynamo,
         "--discovery-backend",
         "DYN_DISCOVERY_BACKEND",
-        "service discovery: file (one machine, DYN_FILE_KV), etcd (ETCD_ENDPOINTS, default http://localhost:2379; "
-        "ETCD_AUTH_* as for Dynamo's workers), kubernetes",
-        default="file",
-        choices=("file", "etcd", "kubernetes", "mem"),
+        "service discovery: etcd (ETCD_ENDPOINTS, default http://localhost:2379; ETCD_AUTH_* as for Dynamo's "
+        "workers; the default, as for Dynamo's frontend and workers), kubernetes, file (one machine, DYN_FILE_KV), "
+        "mem (this process only: nothing else can discover the worker)",
+        default="etcd",
+        choices=("etcd", "kubernetes", "file", "mem"),
     )
     add(
         dynamo,
@@ -254,12 +310,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         dynamo,
+        "--response-plane",
+        "DYN_RESPONSE_PLANE",
+        "response plane (how streamed answers reach the frontend): tcp or quic; the frontends must use the same",
+        default="tcp",
+        choices=("tcp", "quic"),
+    )
+    add(
+        dynamo,
         "--event-plane",
         "DYN_EVENT_PLANE",
         "event plane for KV events: zmq (advertised as DYN_EVENT_PLANE_HOST) or nats (NATS_SERVER); must match the "
         "frontends",
         default="zmq",
         choices=("zmq", "nats"),
+    )
+    dynamo.add_argument(
+        "--enable-rl",
+        action="store_const",
+        const="true",
+        default=_env("DYN_ENABLE_RL") or False,
+        help="serve the RL discovery endpoint <namespace>.<component>.DYN_RL_ENDPOINT (default rl), as Dynamo's "
+        'workers do: {"method": "routes"} answers with the system port\'s /engine routes and its URL (needs '
+        "DYN_SYSTEM_PORT) [env DYN_ENABLE_RL]",
     )
     add(
         dynamo,
@@ -456,12 +529,135 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Endpoint types Dynamo's workers accept that an OpenEngine v0.1.0 engine cannot serve, and why.
+_UNSERVABLE_ENDPOINT_TYPES = {
+    "embedding": "OpenEngine v0.1.0 has no embeddings RPC",
+    "embeddings": "OpenEngine v0.1.0 has no embeddings RPC",
+    "tensor": "OpenEngine v0.1.0 carries tokens and text, not tensors",
+    "prefill": "a prefill worker is --disaggregation-mode prefill",
+}
+
+
 def _endpoint_types(text: str) -> tuple[str, ...]:
     kinds = tuple(part.strip() for part in text.split(",") if part.strip())
+    for kind in kinds:
+        if kind in _UNSERVABLE_ENDPOINT_TYPES:
+            raise ConfigError(f"--endpoint-types: {kind} cannot be served here: {_UNSERVABLE_ENDPOINT_TYPES[kind]}")
     unknown = [k for k in kinds if k not in ENDPOINT_TYPES]
     if not kinds or unknown:
         raise ConfigError(f"--endpoint-types: expected a comma-separated subset of chat,completions, got {text!r}")
     return kinds
+
+
+#: A Hugging Face model id: ``name`` or ``org/name`` (what Dynamo fetches when ``--model-path`` is no directory).
+_HF_MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+
+
+def _model_path(raw: str) -> str:
+    """A local directory (its absolute path) or a Hugging Face model id (as given), for the model card."""
+    path = Path(raw)
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+            raise ConfigError(f"--model-path: no tokenizer.json or tokenizer_config.json in {raw}")
+        return str(path.resolve())
+    if path.exists():
+        raise ConfigError(f"--model-path: not a directory: {raw}")
+    if not _HF_MODEL_ID.fullmatch(raw) or ".." in raw:
+        raise ConfigError(f"--model-path: not a directory, nor a Hugging Face model id (org/name): {raw}")
+    return raw
+
+
+def _clap_bool(value: object, flag: str, variable: str) -> bool:
+    """A boolean as Dynamo's sidecar (clap) reads it: ``true`` or ``false``, nothing else."""
+    if isinstance(value, bool):
+        return value
+    if value in ("true", "false"):
+        return value == "true"
+    raise ConfigError(f"{flag}: {variable} must be true or false (as Dynamo's sidecar reads it), got {value!r}")
+
+
+def _context_length(ns: argparse.Namespace, environ: Mapping[str, str]) -> int | None:
+    """The flag, else ``DYN_CONTEXT_LENGTH`` or ``TRTLLM_CONTEXT_LENGTH`` (refused when both are set and disagree:
+    which one an operator meant cannot be told)."""
+    if ns.context_length is not None:
+        return int(ns.context_length)
+    found = {name: environ[name] for name in CONTEXT_LENGTH_VARIABLES if environ.get(name)}
+    values = {name: _positive_number(name, raw) for name, raw in found.items()}
+    if len(set(values.values())) > 1:
+        ours, theirs = CONTEXT_LENGTH_VARIABLES
+        raise ConfigError(
+            f"--context-length: {ours}={found[ours]} and {theirs}={found[theirs]} disagree; set one, or pass "
+            "--context-length"
+        )
+    return next(iter(values.values()), None)
+
+
+def _positive_number(name: str, raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"--context-length: {name} is not a number: {raw!r}") from None
+    if value <= 0:
+        raise ConfigError(f"--context-length: {name} must be > 0, got {raw!r}")
+    return value
+
+
+#: Set by Dynamo's operator on workers during a rolling update: their namespace becomes ``<namespace>-<suffix>``.
+WORKER_SUFFIX_VARIABLE = "DYN_NAMESPACE_WORKER_SUFFIX"
+
+
+def worker_namespace(namespace: str, environ: Mapping[str, str]) -> str:
+    """``--namespace`` with ``DYN_NAMESPACE_WORKER_SUFFIX`` appended as ``-suffix``, unless the suffix is empty or
+    the namespace already ends with it (Dynamo's sidecar 1.6.1, observed)."""
+    suffix = environ.get(WORKER_SUFFIX_VARIABLE, "")
+    if not suffix or namespace.endswith(f"-{suffix}"):
+        return namespace
+    return f"{namespace}-{suffix}"
+
+
+def _custom_template(raw: str | None) -> Path | None:
+    if raw is None:
+        return None
+    path = Path(raw)
+    if not path.is_file():
+        raise ConfigError(f"--custom-jinja-template: no such file: {raw}")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"--custom-jinja-template: not readable: {raw}")
+    return path.resolve()
+
+
+def _refuse_what_openengine_cannot_carry(ns: argparse.Namespace) -> None:
+    """Dynamo's flags for multimodal encode workers: accepted by the parser as Dynamo's sidecar accepts them, refused
+    here (Dynamo's TensorRT-LLM sidecar refuses them too, but only after connecting to the engine)."""
+    if ns.disaggregation_mode == "encode":
+        raise ConfigError(
+            "--disaggregation-mode encode: an encode worker runs a multimodal encoder and hands Dynamo its result; "
+            "OpenEngine v0.1.0 has no encode RPC"
+        )
+    if _clap_bool(ns.route_to_encoder, "--route-to-encoder", "DYN_ROUTE_TO_ENCODER"):
+        raise ConfigError(
+            "--route-to-encoder: it declares an upstream encode worker, and no OpenEngine v0.1.0 engine can be one"
+        )
+
+
+_RL_ENDPOINT = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _rl_endpoint(enabled: bool, endpoint: str, environ: Mapping[str, str]) -> str:
+    """``DYN_RL_ENDPOINT`` (default ``rl``), checked as Dynamo checks it; ``--enable-rl`` needs a system port."""
+    name = environ.get("DYN_RL_ENDPOINT", "rl").strip()
+    if not enabled:
+        return name or "rl"
+    if not name or not _RL_ENDPOINT.fullmatch(name):
+        raise ConfigError(f"--enable-rl: DYN_RL_ENDPOINT must be letters, digits, '-' or '_', got {name!r}")
+    if name == endpoint:
+        raise ConfigError(f"--enable-rl: DYN_RL_ENDPOINT {name!r} is --endpoint, the serving endpoint")
+    if not environ.get("DYN_SYSTEM_PORT"):
+        raise ConfigError(
+            "--enable-rl: the RL endpoint describes the system port's routes; set DYN_SYSTEM_PORT (0: a port the OS "
+            "picks)"
+        )
+    return name
 
 
 def parse_config(argv: Sequence[str] | None = None) -> SidecarConfig:
@@ -514,11 +710,8 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         raise ConfigError("--grpc-endpoint is required (or DYN_SIDECAR_GRPC_ENDPOINT)")
     if not ns.model_path:
         raise ConfigError("--model-path is required (or DYN_MODEL_PATH): the frontend needs the tokenizer")
-    model_path = Path(ns.model_path)
-    if not model_path.is_dir():
-        raise ConfigError(f"--model-path: not a directory: {ns.model_path}")
-    if not (model_path / "tokenizer.json").is_file() and not (model_path / "tokenizer_config.json").is_file():
-        raise ConfigError(f"--model-path: no tokenizer.json or tokenizer_config.json in {ns.model_path}")
+    model_path = _model_path(ns.model_path)
+    _refuse_what_openengine_cannot_carry(ns)
     tls = _tls_paths(ns)
     # Endpoint syntax is checked by the engine client's parser so both share one rule set.
     from sidecar.engine import EndpointError, expected_release_problem, parse_endpoint, unix_path_problem
@@ -534,13 +727,15 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         and (problem := expected_release_problem(ns.expected_schema_release)) is not None
     ):
         raise ConfigError(f"--expected-schema-release: {problem}")
-    context_length = None if ns.context_length is None else int(_number(ns, "context_length", "--context-length", int))
+    context_length = _context_length(ns, os.environ)
     _check_control_plane_env(ns)
     _check_system_port(os.environ)
     dynamo_system_port = _dynamo_system_port(ns.dynamo_system_port, os.environ)
-    for flag, value in (("--namespace", ns.namespace), ("--endpoint", ns.endpoint)):
+    namespace = worker_namespace(ns.namespace or "", os.environ)
+    for flag, value in (("--namespace", namespace), ("--endpoint", ns.endpoint)):
         if not value or "." in value or "/" in value:
             raise ConfigError(f"{flag}: must be a non-empty name without '.' or '/', got {value!r}")
+    enable_rl = _clap_bool(ns.enable_rl, "--enable-rl", "DYN_ENABLE_RL")
     return SidecarConfig(
         grpc_endpoint=ns.grpc_endpoint,
         grpc_connections=int(_number(ns, "grpc_connections", "--grpc-connections", int)),
@@ -550,10 +745,11 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         grpc_retry_interval_s=_number(ns, "grpc_retry_interval_secs", "--grpc-retry-interval-secs", float),
         grpc_startup_deadline_s=_number(ns, "grpc_startup_deadline_secs", "--grpc-startup-deadline-secs", float),
         grpc_rpc_timeout_s=_number(ns, "grpc_rpc_timeout_secs", "--grpc-rpc-timeout-secs", float),
-        model_path=model_path.resolve(),
+        model_path=model_path,
+        model_path_given=ns.model_path,
         served_model_name=ns.served_model_name,
         context_length=context_length,
-        namespace=ns.namespace,
+        namespace=namespace,
         component=ns.component,
         endpoint=ns.endpoint,
         endpoint_types=_endpoint_types(ns.endpoint_types),
@@ -601,6 +797,12 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         else int(_number(ns, "total_kv_blocks", "--total-kv-blocks", int)),
         dynamo_system_port=dynamo_system_port,
         grpc_receive=ns.grpc_receive,
+        response_plane=ns.response_plane,
+        custom_jinja_template=_custom_template(ns.custom_jinja_template),
+        exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none == "true",
+        default_thinking_mode=ns.dyn_default_thinking_mode,
+        enable_rl=enable_rl,
+        rl_endpoint=_rl_endpoint(enable_rl, ns.endpoint, os.environ),
     )
 
 
@@ -710,6 +912,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(ops_main(args))
     config = parse_config(argv)
     apply_control_plane_deadline(config, os.environ)
+    # Dynamo's own Python workers set it too: parts of the runtime read the variable, not the constructor's argument.
+    os.environ["DYN_RESPONSE_PLANE"] = config.response_plane
     from sidecar.ops.logs import dynamo_logging_environment
 
     # Before anything imports `dynamo`: its logging reads these once, at import.

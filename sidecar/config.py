@@ -10,10 +10,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["ENDPOINT_TYPES", "ConfigError", "DisaggregationMode", "EngineDetokenize", "SidecarConfig"]
+__all__ = [
+    "ENDPOINT_TYPES",
+    "ConfigError",
+    "DisaggregationMode",
+    "EngineDetokenize",
+    "SidecarConfig",
+    "ThinkingMode",
+]
 
 DisaggregationMode = Literal["agg", "prefill", "decode"]
 EngineDetokenize = Literal["auto", "on", "off"]
+ThinkingMode = Literal["enabled", "disabled"]
 ENDPOINT_TYPES = ("chat", "completions")
 
 
@@ -27,7 +35,9 @@ class SidecarConfig:
     grpc_retry_interval_s: float
     grpc_startup_deadline_s: float
     grpc_rpc_timeout_s: float
-    model_path: Path
+    #: What the model card is built from: an absolute local directory, or a Hugging Face model id that Dynamo
+    #: resolves through the hub and its cache (as Dynamo's own sidecar does).
+    model_path: str
     served_model_name: str | None
     context_length: int | None
     namespace: str
@@ -79,6 +89,20 @@ class SidecarConfig:
     dynamo_system_port: int = 0
     #: How ``Generate`` streams are received: straight from the HTTP/2 events, or through grpclib's streams.
     grpc_receive: Literal["direct", "grpclib"] = "direct"
+    #: ``--model-path`` exactly as given: the model's name when ``--served-model-name`` is not set (Dynamo's rule).
+    model_path_given: str = ""
+    #: Dynamo's response plane (``tcp`` or ``quic``); the frontends must use the same.
+    response_plane: Literal["tcp", "quic"] = "tcp"
+    #: A chat template for the model card, used by the frontend instead of the model's own.
+    custom_jinja_template: Path | None = None
+    #: The card tells the frontend to leave tools out of the chat template when ``tool_choice`` is ``none``.
+    exclude_tools_when_tool_choice_none: bool = True
+    #: The deployment's default thinking mode, published in the card's runtime data for the frontend's templates.
+    default_thinking_mode: ThinkingMode | None = None
+    #: Serve the RL discovery endpoint (``DYN_RL_ENDPOINT``, default ``rl``) describing the system port's routes.
+    enable_rl: bool = False
+    #: The RL discovery endpoint's name (``DYN_RL_ENDPOINT``).
+    rl_endpoint: str = "rl"
 
 
 class ConfigError(ValueError):

@@ -245,18 +245,37 @@ def engine_detokenizes(mode: str, engine_name: str) -> bool:
     return engine_name not in DETOKENIZE_SWITCH_ENGINES
 
 
+def served_model_name(config: SidecarConfig) -> str:
+    """The name clients use: ``--served-model-name``, else ``--model-path`` exactly as given.
+
+    The second is the rule of Dynamo's own TensorRT-LLM sidecar (it has no ``--served-model-name``), so a manifest
+    written for it serves the same model under the same name when its command is swapped for this one. The engine's
+    own model names stay reachable as aliases (:func:`registration_for`), so clients of a worker that was named after
+    the engine before (this sidecar's rule up to issue 36) keep working.
+    """
+    return config.served_model_name or config.model_path_given or config.model_path
+
+
 def registration_for(discovery: Discovery, config: SidecarConfig) -> Registration:
     """The model card and runtime config published to Dynamo, from what discovery reported."""
     caps = discovery.caps
-    served = config.served_model_name or caps.served_model_name or discovery.model or config.model_path.name
+    served = served_model_name(config)
     aliases = tuple(name for name in caps.model_names if name != served)
     needs: tuple[tuple[Role, ...], ...] = ()
     if discovery.role == "prefill":
         needs = (("decode",),)
     elif discovery.role == "decode":
         needs = (("prefill",),)
+    runtime_data: dict[str, object] = {
+        "openengine_engine": caps.engine_name,
+        "openengine_schema_release": discovery.server.schema_release or PINNED_SCHEMA_RELEASE,
+    }
+    if config.default_thinking_mode is not None:
+        # Where Dynamo's frontend reads the deployment's default (its chat template kwargs), as its workers put it.
+        runtime_data["default_thinking_mode"] = config.default_thinking_mode
+    template = config.custom_jinja_template
     return Registration(
-        model_path=str(config.model_path),
+        model_path=config.model_path,
         served_model_name=served,
         model_input="tokens",
         endpoint_types=tuple(t for t in config.endpoint_types if t in ("chat", "completions")),  # type: ignore[misc]
@@ -273,8 +292,7 @@ def registration_for(discovery: Discovery, config: SidecarConfig) -> Registratio
         tool_call_parser=config.tool_call_parser or caps.tool_call_parser or None,
         aliases=aliases,
         max_loras=caps.max_loras if caps.supports_lora else None,
-        runtime_data={
-            "openengine_engine": caps.engine_name,
-            "openengine_schema_release": discovery.server.schema_release or PINNED_SCHEMA_RELEASE,
-        },
+        runtime_data=runtime_data,
+        custom_template_path=None if template is None else str(template),
+        exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
     )

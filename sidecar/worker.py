@@ -111,6 +111,7 @@ def _dynamo_settings(config: SidecarConfig, role: str) -> DynamoSettings:
         discovery_backend=config.discovery_backend,  # type: ignore[arg-type]
         request_plane=config.request_plane,  # type: ignore[arg-type]
         event_plane=config.event_plane,  # type: ignore[arg-type]
+        response_plane=config.response_plane,
         namespace=config.namespace,
         component=component,
         endpoint=config.endpoint,
@@ -259,7 +260,9 @@ class Worker:
             if self._system_port is not None:
                 # Dynamo's runtime binds the port reserved for it when it is created.
                 self._system_port.release_dynamo_port()
-            controls = CONTROLS if first.caps.supports_lora else ()
+            controls = (CONTROLS if first.caps.supports_lora else ()) + (
+                (config.rl_endpoint,) if config.enable_rl else ()
+            )
             async with open_dynamo(edge, settings, controls=controls) as dynamo, trio.open_nursery() as request_nursery:
                 self._dynamo = dynamo
                 await self._adopt_system_port(dynamo)
@@ -274,6 +277,8 @@ class Worker:
                 # No canary payload: with one, Dynamo 1.6.1 derives /health from its canary and ignores the worker's
                 # state (a reconnecting worker answered 200).
                 await dynamo.serve(request_nursery, self.requests.handle)
+                if config.enable_rl:
+                    await dynamo.serve_rl(request_nursery, config.rl_endpoint, await self._rl_system_url(dynamo))
                 if first.caps.supports_lora:
                     await self._serve_loras(client, dynamo, request_nursery, registration)
                 life.fire("registered", reason=f"model {registration.served_model_name!r}")
@@ -318,6 +323,18 @@ class Worker:
         await dynamo.add_system_route(LIVE_ROUTE, live)
         if self._system_port is not None:
             self._system_port.forward_to_dynamo(await dynamo.system_server_port())
+
+    async def _rl_system_url(self, dynamo: DynamoWorker) -> str:
+        """The system port's URL for the RL endpoint's answer (``/engine/<route>`` is relayed from it): ours, else
+        Dynamo's own (``DYN_SYSTEM_PORT=0``); an unspecified bind address is advertised as the request plane's."""
+        if self._system_port is not None:
+            host, port = self._system_port.host, self._system_port.port
+        else:
+            host = os.environ.get("DYN_SYSTEM_HOST") or LOOPBACK_DEFAULTS["DYN_SYSTEM_HOST"]
+            port = await dynamo.system_server_port() or 0
+        if host in ("0.0.0.0", "::"):
+            host = os.environ.get("DYN_TCP_RPC_HOST") or LOOPBACK_DEFAULTS["DYN_TCP_RPC_HOST"]
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
     def _registration(self, discovery: Discovery) -> Registration:
         """The model card: ``registration_for``, in KV-routing mode when the routing plan says events flow."""

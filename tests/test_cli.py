@@ -20,7 +20,7 @@ def test_defaults_follow_dynamos_conventions() -> None:
     assert (config.namespace, config.component, config.endpoint) == ("dynamo", None, "generate")
     assert config.grpc_connections == 8
     assert config.endpoint_types == ("chat", "completions")
-    assert config.discovery_backend == "file"
+    assert config.discovery_backend == "etcd", "as Dynamo's frontend and workers (and its own sidecar) default"
 
 
 def test_environment_twins_apply_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:

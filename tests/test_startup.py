@@ -98,11 +98,50 @@ def test_a_changed_role_or_model_between_discoveries_is_refused() -> None:
 def test_registration_carries_what_discovery_reported() -> None:
     config = parse_config(["--grpc-endpoint", "127.0.0.1:1", "--model-path", str(MODEL_DIR)])
     reg = registration_for(discovery(alias="tiny-alias"), config)
-    assert reg.served_model_name == "tiny"
-    assert reg.aliases == ("tiny-alias",)
+    assert reg.served_model_name == str(MODEL_DIR)
+    assert reg.aliases == ("tiny", "tiny-alias")
     assert (reg.context_length, reg.kv_block_size, reg.total_kv_blocks, reg.max_num_seqs) == (2048, 16, 4096, 64)
     assert reg.worker_type == "aggregated"
     assert reg.runtime_data["openengine_engine"] == "mock"
+
+
+# --------------------------------------- issue 36: the name and the card of a worker started with Dynamo's flags
+
+
+@pytest.mark.parametrize(
+    ("flags", "served", "aliases"),
+    [
+        # Dynamo's own sidecar has no --served-model-name: the model is named after --model-path as given.
+        (["--model-path", "Qwen/Qwen3-0.6B"], "Qwen/Qwen3-0.6B", ("tiny",)),
+        (["--model-path", str(MODEL_DIR)], str(MODEL_DIR), ("tiny",)),
+        # The engine's own name is the name clients used before: it stays routable, as an alias.
+        (["--model-path", str(MODEL_DIR), "--served-model-name", "tiny"], "tiny", ()),
+        (["--model-path", "tiny"], "tiny", ()),
+        (["--model-path", str(MODEL_DIR), "--served-model-name", "chat"], "chat", ("tiny",)),
+    ],
+)
+def test_the_model_is_named_after_the_model_path_as_given_unless_served_model_name_says(
+    flags: list[str], served: str, aliases: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(MODEL_DIR)  # `--model-path tiny` must not be a directory here: an id, as the first case
+    reg = registration_for(discovery(), parse_config(["--grpc-endpoint", "127.0.0.1:1", *flags]))
+    assert (reg.served_model_name, reg.aliases) == (served, aliases)
+
+
+def test_the_card_level_flags_reach_the_registration(tmp_path: Path) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    argv = ["--grpc-endpoint", "127.0.0.1:1", "--model-path", str(MODEL_DIR), "--custom-jinja-template", str(template)]
+    argv += ["--exclude-tools-when-tool-choice-none", "false", "--dyn-default-thinking-mode", "enabled"]
+    reg = registration_for(discovery(), parse_config(argv))
+    assert reg.custom_template_path == str(template.resolve())
+    assert reg.exclude_tools_when_tool_choice_none is False
+    # Where Dynamo's frontend reads it (dynamo.frontend's runtime_default_thinking_mode), as Dynamo's workers put it.
+    assert reg.runtime_data["default_thinking_mode"] == "enabled"
+    plain = registration_for(discovery(), parse_config(["--grpc-endpoint", "127.0.0.1:1", "--model-path", "x/y"]))
+    assert (plain.custom_template_path, plain.exclude_tools_when_tool_choice_none) == (None, True)
+    assert "default_thinking_mode" not in plain.runtime_data
+    assert plain.model_path == "x/y", "a Hugging Face id reaches register_model as given: Dynamo fetches it"
 
 
 def test_total_kv_blocks_flag_fills_in_for_an_engine_that_reports_none(caplog: pytest.LogCaptureFixture) -> None:

@@ -72,8 +72,8 @@ class ControlPlaneUnreachable(ControlPlaneError):
 
 
 class RegistrationRefused(RuntimeError):
-    """Dynamo refused this worker's model card because another model is registered on the same endpoint; the
-    message is one operator line naming the flags that give this worker an endpoint of its own."""
+    """Dynamo refused this worker's model card: another model is registered on the same endpoint, or the model path
+    is a Hugging Face id Dynamo could not fetch; the message is one operator line naming what to change."""
 
 
 class ControlPlaneLost(ControlPlaneError):
@@ -117,7 +117,11 @@ async def create_runtime(
     loop = asyncio.get_running_loop()
     try:
         runtime = DistributedRuntime(
-            loop, settings.discovery_backend, settings.request_plane, event_plane=settings.event_plane
+            loop,
+            settings.discovery_backend,
+            settings.request_plane,
+            event_plane=settings.event_plane,
+            response_plane=settings.response_plane,
         )
     except Exception as exc:
         text = " ".join(str(exc).split())
@@ -157,6 +161,7 @@ def _runtime_config(reg: Registration) -> ModelRuntimeConfig:
         config.reasoning_parser = reg.reasoning_parser
     if reg.tool_call_parser is not None:
         config.tool_call_parser = reg.tool_call_parser
+    config.exclude_tools_when_tool_choice_none = reg.exclude_tools_when_tool_choice_none
     if reg.kv_events:
         config.kv_event_publishing_enabled = True
         config.enable_local_indexer = True
@@ -191,19 +196,29 @@ async def register(endpoint: Endpoint, reg: Registration, lora_name: str | None 
             router_config=router_config,
             runtime_config=_runtime_config(reg),
             needs=needs,
+            custom_template_path=reg.custom_template_path,
+            # The worker never loads weights: a model fetched from the hub needs its tokenizer and config only.
+            ignore_weights=True,
             **identity,
         )
     except Exception as exc:
         text = " ".join(str(exc).split())
-        if "a different model" not in text or "is already registered there" not in text:
-            raise
-        # One model per endpoint: workers with other model names -- or aliases: the engine's own model name is one
-        # when --served-model-name differs -- on one namespace and component collide.
-        raise RegistrationRefused(
-            f"{text}: every worker on one endpoint must serve the same model; give this one its own --namespace "
-            "(DYN_NAMESPACE) or --component (DYN_COMPONENT), or the --served-model-name (DYN_SERVED_MODEL_NAME) of "
-            "the workers there"
-        ) from None
+        if "a different model" in text and "is already registered there" in text:
+            # One model per endpoint: workers with other model names -- or aliases: the engine's own model name is
+            # one when the served name differs -- on one namespace and component collide.
+            raise RegistrationRefused(
+                f"{text}: every worker on one endpoint must serve the same model; give this one its own --namespace "
+                "(DYN_NAMESPACE) or --component (DYN_COMPONENT), or the --served-model-name (DYN_SERVED_MODEL_NAME) "
+                "of the workers there"
+            ) from None
+        # A local directory reaches here as an absolute path (sidecar.cli resolves it); a Hugging Face id never does,
+        # and what fails with one is its fetch (not in the cache, the hub unreachable or offline, no access).
+        if not os.path.isabs(reg.model_path):
+            raise RegistrationRefused(
+                f"--model-path {reg.model_path!r} is not a local directory, and Dynamo could not fetch it as a "
+                f"Hugging Face model ({text}); check HF_HOME, HF_TOKEN and HF_HUB_OFFLINE, or give a directory"
+            ) from None
+        raise
 
 
 async def unregister_lora(endpoint: Endpoint, lora_name: str) -> None:

@@ -33,6 +33,7 @@ class DynamoSettings:
     discovery_backend: DiscoveryBackend = "file"
     request_plane: Literal["tcp", "nats"] = "tcp"
     event_plane: Literal["zmq", "nats"] = "zmq"
+    response_plane: Literal["tcp", "quic"] = "tcp"
     namespace: str = "dynamo"
     component: str = "backend"
     endpoint: str = "generate"
@@ -80,6 +81,10 @@ class Registration:
     #: Adapters the engine can hold at once (``DeploymentCapacity.max_loras``), for the router's LoRA accounting.
     max_loras: int | None = None
     needs: tuple[tuple[WorkerRole, ...], ...] = ()
+    #: A chat template file the frontend uses instead of the model's own (``--custom-jinja-template``).
+    custom_template_path: str | None = None
+    #: The frontend leaves tools out of the chat template when a request's ``tool_choice`` is ``none``.
+    exclude_tools_when_tool_choice_none: bool = True
 
     def __post_init__(self) -> None:
         if not self.model_path or not self.served_model_name:

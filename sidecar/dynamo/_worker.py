@@ -46,6 +46,7 @@ __all__ = [
     "lora_card_key",
     "lora_slug",
     "open_dynamo",
+    "rl_answer",
 ]
 
 
@@ -62,6 +63,21 @@ SERVE_READY_TIMEOUT: Final = 30.0
 #: Bound on finding the discovery files a publisher or control endpoint wrote (observed: a few ms).
 TRACK_TIMEOUT: Final = 5.0
 _POLL: Final = 0.01
+
+
+def rl_answer(request: object, routes: list[str], system_url: str) -> dict[str, Any]:
+    """What the RL discovery endpoint answers (``--enable-rl``), as Dynamo's workers answer it (1.6.1): only
+    ``{"method": "routes"}``, with the system port's ``/engine`` routes and its URL."""
+    method = request.get("method") if isinstance(request, dict) else None
+    if not isinstance(method, str) or not method:
+        return {"status": "error", "message": "rl_dispatch: missing 'method' (str)"}
+    if method != "routes":
+        return {
+            "status": "error",
+            "method": method,
+            "message": "rl request-plane endpoint only supports method='routes'",
+        }
+    return {"status": "ok", "routes": routes, "system_url": system_url}
 
 
 def file_discovery_root() -> Path:
@@ -172,6 +188,8 @@ class DynamoWorker:
         self._root: Path | None = file_discovery_root() if settings.discovery_backend == "file" else None
         self._tracked: dict[Path, Entry] = {}
         self._buckets = Buckets()
+        # The /engine routes registered on the system server, for the RL discovery endpoint's answer.
+        self._engine_routes: set[str] = set()
 
     @property
     def settings(self) -> DynamoSettings:
@@ -269,8 +287,23 @@ class DynamoWorker:
         for name, route in routes.items():
             call = bridged(route)
             await edge.run(b.add_engine_route, self._runtime, name, call)
+            self._engine_routes.add(name)
             nursery.start_soon(self._serve_control, name, call)
             nursery.start_soon(self.track_endpoint, name)
+
+    async def serve_rl(self, nursery: trio.Nursery, name: str, system_url: str) -> None:
+        """Dynamo's RL discovery endpoint ``<namespace>.<component>.<name>`` (``--enable-rl``): it answers
+        :func:`rl_answer` with the routes registered so far (on the edge loop: nothing to decide, nothing to wait
+        for). ``name`` must have been given to :func:`open_dynamo` (``controls``)."""
+        if name not in self._controls:
+            raise ValueError(f"control endpoint {name!r} was not given to open_dynamo(controls=...)")
+        routes = self._engine_routes
+
+        async def describe(request: dict[str, Any]) -> dict[str, Any]:
+            return rl_answer(request, sorted(routes), system_url)
+
+        nursery.start_soon(self._serve_control, name, describe)
+        nursery.start_soon(self.track_endpoint, name)
 
     async def _serve_control(self, name: str, call: _Control) -> None:
         # Dynamo passes the request context only to a parameter *named* ``context``; any other name gets a TypeError.
@@ -650,6 +683,7 @@ class DynamoWorker:
         """``GET``/``POST /engine/<name>`` on the system port: ``route(body)`` (an asyncio coroutine function, run on
         the edge loop -- it must not block) answers with a JSON object, 200."""
         await self._edge.run(b.add_engine_route, self._runtime, name, route)
+        self._engine_routes.add(name)
 
     async def registration_present(self) -> bool:
         """Best effort: is everything we publish still in discovery?

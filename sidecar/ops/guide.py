@@ -28,7 +28,8 @@ METRICS_BEGIN: Final = (
 )
 METRICS_END: Final = "<!-- END GENERATED METRICS -->"
 
-_ENV = re.compile(r"\s*\[env ([A-Z0-9_]+)\]\s*$")
+#: ``[env NAME]`` or ``[env NAME, OTHER]`` (a flag with two twins) ending a flag's help.
+_ENV = re.compile(r"\s*\[env ([A-Z0-9_]+(?:, [A-Z0-9_]+)*)\]\s*$")
 
 
 @contextmanager
@@ -55,7 +56,8 @@ def _rows(actions: list[argparse.Action]) -> list[str]:
         env = ""
         match = _ENV.search(help_text)
         if match:
-            env, help_text = f"`{match.group(1)}`", help_text[: match.start()]
+            env = ", ".join(f"`{name}`" for name in match.group(1).split(", "))
+            help_text = help_text[: match.start()]
         if action.choices is not None:
             help_text += f" (one of: {', '.join(map(str, action.choices))})"
         flags = ", ".join(f"`{flag}`" for flag in action.option_strings)

@@ -133,7 +133,7 @@ def test_registration_by_role(role: str, needs: tuple[tuple[str, ...], ...]) -> 
     reg = registration_for(discovery(role, trt_connector()), config)
     assert reg.worker_type == role
     assert reg.needs == needs
-    assert reg.served_model_name == "tiny"
+    assert (reg.served_model_name, reg.aliases) == (str(MODEL_DIR), ("tiny",)), "named after --model-path as given"
 
 
 def test_the_prefill_worker_registers_under_the_prefill_component() -> None:

@@ -131,6 +131,8 @@ def base_env(root: Path) -> dict[str, str]:
             "DYN_HTTP_HOST": "127.0.0.1",
             "DYN_SYSTEM_HOST": "127.0.0.1",
             "DYN_SELF_HOST_METADATA": "0",
+            # Dynamo's logging setup would write SGLang's log config to a new $TMPDIR/tmp*.json on every start.
+            "DYN_SKIP_SGLANG_LOG_FORMATTING": "1",
             "PYTHONUNBUFFERED": "1",
         }
     )

@@ -476,6 +476,10 @@ class Engine:
         self.served: collections.Counter[str] = collections.Counter()
         #: The last media request's items in the order the engine fills placeholders (``mock_stats.last_media``).
         self.last_media: list[dict[str, str]] = []
+        #: The last accepted request's prompt token ids and model name (``mock_stats.last_prompt_token_ids``,
+        #: ``last_model``): what a chat template rendered reaches the engine as.
+        self.last_prompt_token_ids: list[int] = []
+        self.last_model = ""
         self._probes = 0
         self._probe: asyncio.Future[tuple[lifecycle_pb2.HealthState, str]] | None = None
         self._eos = frozenset(lm.eos_token_ids)
@@ -538,6 +542,8 @@ class Engine:
     def _count_features(self, plan: RequestPlan) -> None:
         """Count the request features seen (``mock_stats``), so tests can tell a mapped field reached the engine."""
         served = self.served
+        self.last_prompt_token_ids = list(plan.prompt_ids)
+        self.last_model = plan.model
         if plan.priority:
             served["priority_requests"] += 1
             served["last_priority"] = plan.priority

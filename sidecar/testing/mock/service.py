@@ -248,6 +248,8 @@ class ControlService(openengine_grpc.ControlBase):
             **served.served,
             **served.kv_sessions.stats,
             "last_media": served.last_media,
+            "last_prompt_token_ids": served.last_prompt_token_ids,
+            "last_model": served.last_model,
             # Gauges, whatever --load-report hides from GetLoad (TensorRT-LLM's shows neither): leak checks.
             "live_requests": len(served.live),
             "prefilling_requests": served.prefilling,
