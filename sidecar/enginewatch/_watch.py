@@ -1,0 +1,468 @@
+"""The engine watch (see the package docstring): health, identity and stall watches, and the way back."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import TYPE_CHECKING, Final, Protocol
+
+import trio
+
+from openengine_bp.openengine.v1 import HealthState
+from sidecar.convert.enums import bp_enum
+from sidecar.engine import SchemaIncompatible
+from sidecar.errors import EngineGone, EngineRpcError, GrpcCode
+from sidecar.kv import EngineIdentity
+from sidecar.ops import metrics
+from sidecar.requests import probe_generation
+from sidecar.startup import StartupRefused, check_unchanged, discover, wait_ready
+
+if TYPE_CHECKING:
+    from sidecar.config import SidecarConfig
+    from sidecar.dynamo import Registration
+    from sidecar.engine import EngineClient
+    from sidecar.requests import RequestServer, ServingContext
+    from sidecar.startup import Discovery
+    from statemachines import WorkerLifecycle
+
+log: Final = logging.getLogger("sidecar.worker")
+
+# Health RPC failures that mean "the engine is not there" (restart, crash) rather than "the engine is unwell".
+_ENGINE_GONE_CODES: Final = frozenset({GrpcCode.UNAVAILABLE, GrpcCode.DEADLINE_EXCEEDED})
+# Claims of a new engine in a row that turn out to be the engine the worker had, each soon after the last, before the
+# worker fails: the waits between them (1, 2, 4, 8 s at the default retry interval) sum to 15 s.
+_REDISCOVERY_REPEAT_LIMIT: Final = 5
+
+
+class WatchHost(Protocol):
+    """What the engine watch asks of the worker around it (``sidecar.worker.Worker`` is one)."""
+
+    @property
+    def registration_held(self) -> bool:
+        """The registration watchdog keeps the worker out of routing (an entry it cannot write yet)."""
+        ...
+
+    def serving_context(self, discovery: Discovery) -> ServingContext:
+        """What requests need to be served against the engine ``discovery`` describes."""
+        ...
+
+    def card(self, discovery: Discovery) -> Registration:
+        """The model card for the engine ``discovery`` describes."""
+        ...
+
+    async def withdraw(self) -> None:
+        """Take the worker's instance out of routing (bounded, best effort: never raises)."""
+        ...
+
+    async def into_routing(self, card: Registration | None) -> str | None:
+        """Register ``card`` (if given), then put the instance back into routing; or say why the worker stays out."""
+        ...
+
+    async def engine_restarted(self) -> None:
+        """The engine was rediscovered: bring what lives on it (LoRA adapters) up to date before routing resumes."""
+        ...
+
+
+class EngineWatch:
+    """The worker's watch over one engine client: discovery, health, identity, stalls, and the way back."""
+
+    def __init__(
+        self,
+        config: SidecarConfig,
+        lifecycle: WorkerLifecycle,
+        requests: RequestServer,
+        client: EngineClient,
+        host: WatchHost,
+        fatal: trio.Event,
+    ) -> None:
+        self.config = config
+        self.lifecycle = lifecycle
+        self.requests = requests
+        self.client = client
+        self.host = host
+        #: Set when the worker must exit 1 (engine lost with --exit-on-engine-loss, a different engine came back).
+        self.fatal = fatal
+        #: What the engine reported at the last (re)discovery; None before the first.
+        self.discovery: Discovery | None = None
+        #: The engine as the load poller sees it between health polls: a restart (new instance id), an answer.
+        self.identity = EngineIdentity()
+        # One reconnection at a time (the health watch and the identity watch may both find the engine changed);
+        # the generation counts completed ones, so a second finder whose engine was already rediscovered stands down.
+        self._reconnecting = trio.Lock()
+        self._engine_generation = 0
+        # When the last reconnection ended (see _bound_repeats).
+        self._last_rediscovery: float | None = None
+        self._rediscovery_repeats = 0
+        # Why the worker is degraded for an engine that stopped producing (None: it is not); a canary generation
+        # ends it (_watch_stall), not Health, which stays READY on a wedged engine.
+        self._stalled: str | None = None
+        self._stall_noticed = trio.Event()
+        self._stall_withdrawn = trio.Event()
+        requests.on_stall = self._engine_stalled
+
+    # ------------------------------------------------------------------ discovery
+
+    async def discover_until_ready(self, deadline: float) -> Discovery:
+        """discovering → waiting_ready → registering: discover, wait for READY, rediscover and compare."""
+        life = self.lifecycle
+        config = self.config
+        client = self.client
+        first = await discover(client, config)
+        if self.discovery is not None:
+            # After an engine restart the engine must still be the one this worker registered.
+            check_unchanged(self.discovery, first)
+        life.fire("discovered", reason=f"{first.caps.engine_name}, model {first.model!r}")
+        await wait_ready(client, deadline=deadline, retry_interval_s=config.grpc_retry_interval_s)
+        again = await discover(client, config)
+        check_unchanged(first, again)
+        life.fire("ready")
+        return again
+
+    def adopt(self, discovery: Discovery) -> None:
+        """The engine the worker serves from now on (after the start-up discovery)."""
+        self.discovery = discovery
+        self.identity.expect(discovery.caps.instance_id)
+
+    # ------------------------------------------------------------------ the watches
+
+    async def run(self) -> None:
+        """The health, identity and stall watches, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.watch_health)
+            nursery.start_soon(self.watch_identity)
+            nursery.start_soon(self.watch_stall)
+
+    async def watch_health(self) -> None:
+        """Poll Control.Health: not READY degrades the worker, an unreachable engine means reconnecting.
+
+        Dynamo's Rust sidecars exit here; this worker withdraws from routing and keeps its process, so an engine
+        restart or a slow spell costs the in-flight requests (which migrate) but not the worker.
+        """
+        config = self.config
+        client = self.client
+        failures = 0
+        # A GOAWAY wakes this watch at once; handling it here keeps every lifecycle step of the engine in one task.
+        client.on_going_away(lambda _reason: self.requests.engine_trouble.set())
+        while True:
+            with trio.move_on_after(config.health_poll_interval_s):
+                await self.requests.engine_trouble.wait()
+            self.requests.engine_trouble = trio.Event()
+            if client.going_away is not None:
+                await self._engine_going_away()
+                failures = 0
+                continue
+            progress = self.requests.progress
+            try:
+                response = await client.health(timeout_s=config.health_timeout_s)
+            except EngineRpcError as exc:
+                if exc.code not in _ENGINE_GONE_CODES:
+                    failures += 1
+                    await self._maybe_degrade(failures, f"Health failed: {exc}")
+                    continue
+                if exc.code is GrpcCode.DEADLINE_EXCEEDED and self.requests.progress != progress:
+                    # Tokens arrived while Health waited: the engine is busy, not gone. Calling it lost would fail
+                    # every in-flight request for nothing (seen at ~1,000 in flight).
+                    log.warning("engine health timed out while its streams deliver tokens: busy, not lost")
+                    continue
+                failures += 1
+                if failures < config.health_failure_threshold:
+                    continue
+                failures = 0
+                await self.engine_lost(str(exc))
+                continue
+            state = bp_enum(response.state)
+            if state is HealthState.READY:
+                failures = 0
+                if self.lifecycle.state == "degraded" and not self.host.registration_held:
+                    await self._recover()
+                continue
+            failures += 1
+            await self._maybe_degrade(failures, f"engine health {state.name}")
+
+    async def _maybe_degrade(self, failures: int, reason: str) -> None:
+        if failures < self.config.health_failure_threshold or self.lifecycle.state != "serving":
+            return
+        self.lifecycle.fire("degrade", reason=reason)
+        # New requests go elsewhere; in-flight ones carry on against the engine as long as it serves them.
+        self.requests.attach(None)
+        await self.host.withdraw()
+        metrics.HEALTH_TRANSITIONS.labels(change="degraded").inc()
+
+    async def _recover(self) -> None:
+        assert self.discovery is not None
+        if self._stalled is not None:
+            # Withdrawn because the engine stopped producing: its Health says READY regardless. Only a canary
+            # generation brings the worker back (watch_stall).
+            return
+        self.lifecycle.fire("recover", reason="engine health READY")
+        self.requests.attach(self.host.serving_context(self.discovery))
+        held = await self.host.into_routing(None)
+        if held is not None:
+            self.lifecycle.fire("degrade", reason=held)
+            return
+        self.lifecycle.fire("registered", reason="recovered")
+        metrics.HEALTH_TRANSITIONS.labels(change="recovered").inc()
+
+    async def _engine_going_away(self) -> None:
+        """The engine sent GOAWAY: it is stopping (TensorRT-LLM: ``server.stop(grace=5)``, open streams may finish).
+
+        Withdraw from routing at once (``degrade``: new requests go elsewhere), let the requests in flight run on the
+        draining connections until they end or the engine closes them (a stream cut at the end of its grace fails
+        with a migratable error), then come back the way a lost engine does: reconnect, rediscover, register.
+        """
+        client = self.client
+        reason = client.going_away or "GOAWAY"
+        life = self.lifecycle
+        if life.state == "serving":
+            life.fire("degrade", reason=f"the engine is going away ({reason})")
+            self.requests.attach(None)
+            await self.host.withdraw()
+            metrics.HEALTH_TRANSITIONS.labels(change="degraded").inc()
+        log.info(
+            "engine going away: %d request(s) in flight continue until they end or the engine closes its connections",
+            self.requests.in_flight,
+        )
+        # Bounded like our own drain: an engine that keeps a GOAWAY'd connection open forever must not pin us here.
+        await client.wait_drained(timeout_s=self.config.drain_timeout_s)
+        if life.state == "degraded":
+            await self.engine_lost(f"the engine went away ({reason})")
+
+    async def watch_identity(self) -> None:
+        """A new engine identity runs the rediscovery of a lost engine, even when the restart was too quick for the
+        health watch: the load poller reports a new ``instance_id``, or a request lost its connection and the engine
+        that answers now reports something else (instance, capabilities, limits, model, role, schema). Changed
+        capabilities and limits are registered again (model card) before requests are admitted again."""
+        while True:
+            changed = self.identity.changed
+            lost = self.requests.connection_lost
+            await _first_of(changed, lost)
+            if changed.is_set():
+                seen = self.identity.seen
+                reason = f"engine restarted: instance {self.identity.expected!r} is now {seen!r}"
+            else:
+                self.requests.connection_lost = trio.Event()
+                found = await self._engine_changed()
+                if found is None:
+                    continue
+                reason = f"engine changed after a lost connection: {found}"
+            if self.lifecycle.state not in ("serving", "degraded"):
+                self.identity.expect(self.identity.expected)  # reconnecting already: it rediscovers anyway
+                continue
+            log.warning("%s; rediscovering it", reason)
+            await self.engine_lost(reason, claimed_change=True)
+
+    async def _engine_changed(self) -> str | None:
+        """What differs in the engine that answers now from the one discovered (None: nothing, or no answer yet --
+        the health watch then deals with an engine that is gone)."""
+        old = self.discovery
+        if old is None:
+            return None
+        try:
+            with trio.fail_after(self.config.grpc_rpc_timeout_s):
+                new = await discover(self.client, self.config)
+        except (EngineRpcError, StartupRefused, SchemaIncompatible, trio.TooSlowError) as exc:
+            # A refusal is for the rediscovery to report (it fails the worker); no answer is the health watch's.
+            return None if isinstance(exc, EngineRpcError | trio.TooSlowError) else str(exc)
+        return ", ".join(differences(old, new)) or None
+
+    async def _engine_stalled(self, reason: str) -> None:
+        """``RequestServer.on_stall``: the engine stopped producing (an inactivity timeout with nothing received by
+        any request). Withdraw from routing before that request's error reaches the frontend, whose migration must
+        land on another worker (with one worker the client gets a 503 after one timeout, not four). A canary
+        generation brings the worker back (:meth:`watch_stall`)."""
+        if self.lifecycle.state == "serving":
+            self._stalled = reason
+            self._stall_withdrawn = trio.Event()
+            self.lifecycle.fire("degrade", reason=reason)
+            self.requests.attach(None)
+            metrics.HEALTH_TRANSITIONS.labels(change="degraded").inc()
+            self._stall_noticed.set()
+            await self.host.withdraw()
+            self._stall_withdrawn.set()
+        elif self._stalled is not None:
+            await self._stall_withdrawn.wait()  # another request is withdrawing the worker: this error waits too
+
+    async def watch_stall(self) -> None:
+        """While withdrawn for a stall: a one-token canary generation every health poll interval; the first that the
+        engine answers to its end restores the worker."""
+        probes = 0
+        while True:
+            await self._stall_noticed.wait()
+            self._stall_noticed = trio.Event()
+            while self._stalled is not None and self.lifecycle.state == "degraded" and self.discovery is not None:
+                await trio.sleep(self.config.health_poll_interval_s)
+                probes += 1
+                failure = await probe_generation(
+                    self.host.serving_context(self.discovery),
+                    f"openengine-sidecar-canary-{os.getpid()}-{probes}",
+                    self.config.request_inactivity_timeout_s,
+                )
+                if failure is not None:
+                    log.warning("canary generation failed (%s): still withdrawn", failure)
+                    continue
+                if self._stalled is not None and self.lifecycle.state == "degraded":
+                    log.info("canary generation answered: the engine produces again")
+                    self._stalled = None
+                    await self._recover()
+
+    # ------------------------------------------------------------------ the way back
+
+    async def engine_lost(self, reason: str, *, claimed_change: bool = False) -> None:
+        """reconnecting: withdraw, fail in-flight requests migratably, reconnect with backoff, rediscover.
+
+        Also the way back from a quick engine restart (:meth:`watch_identity`): the same rediscovery, and the model
+        card is registered again with what the new engine reports. One at a time: a second caller whose engine was
+        rediscovered while it waited stands down.
+        """
+        generation = self._engine_generation
+        async with self._reconnecting:
+            if generation != self._engine_generation or self.lifecycle.state not in ("serving", "degraded"):
+                return
+            await self._reconnect(reason, claimed_change=claimed_change)
+            self._engine_generation += 1
+
+    async def _reconnect(self, reason: str, *, claimed_change: bool = False) -> None:
+        life = self.lifecycle
+        config = self.config
+        client = self.client
+        before = self.discovery
+        if config.exit_on_engine_loss:
+            life.fire("fail", reason=f"engine lost ({reason}) and --exit-on-engine-loss is set")
+            self.fatal.set()
+            await trio.sleep_forever()
+        life.fire("engine_lost", reason=reason)
+        metrics.RECONNECTS.labels(stage="lost").inc()
+        self.requests.attach(None)
+        await self.host.withdraw()
+        # Streams on a dropped connection fail by themselves; this covers an engine that hangs instead.
+        failed = self.requests.cancel_all(EngineGone(f"engine lost ({reason}); retry on another worker"))
+        if failed:
+            log.warning("engine lost: %d in-flight request(s) failed over", failed)
+        while True:
+            await self._wait_for_engine()
+            if client.going_away is not None:
+                # A GOAWAY heard while reconnecting came from the engine being left (its last connections closing):
+                # the one that answers now said nothing. Its episode ends with those connections (bounded), or the
+                # watch would take the worker out again the moment it serves.
+                await client.wait_drained(timeout_s=config.drain_timeout_s)
+            life.fire("reconnected")
+            try:
+                deadline = trio.current_time() + config.grpc_startup_deadline_s
+                self.discovery = await self.discover_until_ready(deadline)
+                break
+            except (StartupRefused, SchemaIncompatible) as exc:
+                life.fire("fail", reason=f"the restarted engine is not the one registered: {exc}")
+                self.fatal.set()
+                await trio.sleep_forever()
+            except EngineRpcError as exc:
+                if exc.code not in _ENGINE_GONE_CODES:
+                    life.fire("fail", reason=f"rediscovering the engine failed: {exc}")
+                    self.fatal.set()
+                    await trio.sleep_forever()
+                # It answered once and is gone again (a restart still in progress, or an engine still draining
+                # after its GOAWAY): wait for it again rather than give up.
+                life.fire("engine_lost", reason=f"the engine went away again during rediscovery: {exc}")
+        await self._bound_repeats(before, self.discovery, claimed_change=claimed_change)
+        # Before routing resumes: a request for an adapter the restarted engine lacks would fail with NOT_FOUND.
+        await self.host.engine_restarted()
+        self.identity.expect(self.discovery.caps.instance_id)
+        self._stalled = None  # a stall is over with the rediscovered engine
+        self.requests.attach(self.host.serving_context(self.discovery))
+        # The card first: what the engine now reports (capabilities, limits) is registered before the instance is
+        # routable again.
+        held = await self.host.into_routing(self.host.card(self.discovery))
+        if held is None:
+            life.fire("registered", reason="engine back")
+        else:
+            # Requests that still arrive are served; routing resumes when the watchdog has written every entry.
+            life.fire("degrade", reason=held)
+        metrics.RECONNECTS.labels(stage="recovered").inc()
+        self._last_rediscovery = trio.current_time()
+
+    async def _bound_repeats(self, before: Discovery | None, found: Discovery, *, claimed_change: bool) -> None:
+        """Bound the reconnections that were told the engine changed and found the very engine they had.
+
+        Something keeps claiming a new engine that answers as the old one (two engines behind one address, a load
+        balancer answering GetLoad from another backend than GetServerInfo): each such false claim soon after the
+        last one (within ``--reconnect-backoff-max-secs``) waits out of routing (1, 2, 4 … s, capped), and the
+        :data:`_REDISCOVERY_REPEAT_LIMIT`-th in a row fails the worker (one line) so that a supervisor sees it,
+        instead of a reconnect loop that never ends -- or, against an engine that answers at once, never even
+        blocks. An outage (health, GOAWAY, a partition) is no claim: the same engine coming back is what it should.
+        """
+        config = self.config
+        if not claimed_change or before is None or differences(before, found):
+            self._rediscovery_repeats = 0
+            return
+        instance = found.caps.instance_id
+        last = self._last_rediscovery
+        if last is None or trio.current_time() - last >= config.reconnect_backoff_max_s:
+            self._rediscovery_repeats = 0  # the last false claim is long past: a new series
+        self._rediscovery_repeats += 1
+        repeats = self._rediscovery_repeats
+        if repeats >= _REDISCOVERY_REPEAT_LIMIT:
+            reason = (
+                f"told {repeats} times in a row that the engine changed, the worker found the same instance "
+                f"{instance!r} each time: something keeps claiming a new engine (two engines behind one address?)"
+            )
+            self.lifecycle.fire("fail", reason=reason)
+            log.error("%s; exiting so that a supervisor starts a fresh worker", reason)
+            self.fatal.set()
+            await trio.sleep_forever()
+        wait_s = min(config.grpc_retry_interval_s * 2 ** (repeats - 1), config.reconnect_backoff_max_s)
+        log.warning(
+            "told the engine changed, the worker found the same instance %r (%d of %d in a row): waiting %.1fs "
+            "before serving it again",
+            instance,
+            repeats,
+            _REDISCOVERY_REPEAT_LIMIT,
+            wait_s,
+        )
+        await trio.sleep(wait_s)
+
+    async def _wait_for_engine(self) -> None:
+        """Until the engine answers GetServerInfo again, with capped exponential backoff and jitter."""
+        config = self.config
+        backoff = config.grpc_retry_interval_s
+        while True:
+            try:
+                await self.client.get_server_info(timeout_s=config.grpc_connect_attempt_timeout_s)
+                return
+            except EngineRpcError as exc:
+                log.info("engine not back yet (%s); retrying in %.1fs", exc, backoff)
+            # Exponential backoff with jitter, capped: many workers must not hammer a restarting engine in step. The
+            # load poller keeps asking the engine every second meanwhile: its first answer ends the wait, so serving
+            # resumes within moments of the engine's return however long the outage (the backoff alone waited up to
+            # its 30 s cap).
+            self.identity.answered = trio.Event()
+            with trio.move_on_after(backoff * random.uniform(0.8, 1.2)):
+                await self.identity.answered.wait()
+            backoff = min(backoff * 2, config.reconnect_backoff_max_s)
+
+
+def differences(old: Discovery, new: Discovery) -> list[str]:
+    """What a worker serving ``old`` would have to change for ``new``: instance, role, model, schema, capabilities,
+    limits."""
+    return [
+        what
+        for what, before, after in (
+            ("instance", old.caps.instance_id, new.caps.instance_id),
+            ("role", old.role, new.role),
+            ("model", old.model, new.model),
+            ("schema release", old.server.schema_release, new.server.schema_release),
+            ("capabilities", old.caps, new.caps),
+            ("context length", old.context_length, new.context_length),
+        )
+        if before != after
+    ]
+
+
+async def _first_of(*events: trio.Event) -> None:
+    async with trio.open_nursery() as nursery:
+        for event in events:
+
+            async def wait(event: trio.Event = event) -> None:
+                await event.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(wait)
