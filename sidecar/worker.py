@@ -14,6 +14,7 @@ runtime down and exit 0. A second signal skips the wait. Every step is a worker-
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -69,7 +70,7 @@ def _observe_worker(model: WorkerLifecycle, event: WorkerEvent, source: WorkerSt
 
 
 def _client_config(config: SidecarConfig) -> EngineClientConfig:
-    return EngineClientConfig(
+    client = EngineClientConfig(
         endpoint=parse_endpoint(config.grpc_endpoint, tls=config.grpc_tls_ca is not None),
         connections=config.grpc_connections,
         tls_ca=config.grpc_tls_ca,
@@ -82,6 +83,10 @@ def _client_config(config: SidecarConfig) -> EngineClientConfig:
         startup_deadline_s=config.grpc_startup_deadline_s,
         direct_receive=config.grpc_receive == "direct",
     )
+    # A stopped or paused engine answers no HTTP/2 PING either: the keepalive must not close its connections (and
+    # fail their streams) before each stream's own inactivity timeout has had its say (docs/faults.md, the stall).
+    keepalive_timeout_s = max(client.keepalive_timeout_s, config.request_inactivity_timeout_s)
+    return dataclasses.replace(client, keepalive_timeout_s=keepalive_timeout_s)
 
 
 def _component(config: SidecarConfig, role: str | None) -> str:

@@ -30,6 +30,8 @@ log: Final = logging.getLogger("sidecar.worker")
 
 # Health RPC failures that mean "the engine is not there" (restart, crash) rather than "the engine is unwell".
 _ENGINE_GONE_CODES: Final = frozenset({GrpcCode.UNAVAILABLE, GrpcCode.DEADLINE_EXCEEDED})
+# Where an engine change or loss starts the way back (reconnecting); elsewhere the worker is on it already.
+_WATCHED: Final = ("serving", "degraded", "stalled")
 # Claims of a new engine in a row that turn out to be the engine the worker had, each soon after the last, before the
 # worker fails: the waits between them (1, 2, 4, 8 s at the default retry interval) sum to 15 s.
 _REDISCOVERY_REPEAT_LIMIT: Final = 5
@@ -95,11 +97,11 @@ class EngineWatch:
         self._last_rediscovery: float | None = None
         self._rediscovery_repeats = 0
         # Why the worker is degraded for an engine that stopped producing (None: it is not); a canary generation
-        # ends it (_watch_stall), not Health, which stays READY on a wedged engine.
-        self._stalled: str | None = None
-        self._stall_noticed = trio.Event()
-        self._stall_withdrawn = trio.Event()
-        requests.on_stall = self._engine_stalled
+        # ends it (watch_not_producing), not Health, which stays READY on a wedged engine.
+        self._not_producing: str | None = None
+        self._not_producing_noticed = trio.Event()
+        self._not_producing_withdrawn = trio.Event()
+        requests.on_stall = self._engine_not_producing
 
     # ------------------------------------------------------------------ discovery
 
@@ -127,11 +129,11 @@ class EngineWatch:
     # ------------------------------------------------------------------ the watches
 
     async def run(self) -> None:
-        """The health, identity and stall watches, until cancelled."""
+        """The health, identity and not-producing watches, until cancelled."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.watch_health)
             nursery.start_soon(self.watch_identity)
-            nursery.start_soon(self.watch_stall)
+            nursery.start_soon(self.watch_not_producing)
 
     async def watch_health(self) -> None:
         """Poll Control.Health: not READY degrades the worker, an unreachable engine means reconnecting.
@@ -156,14 +158,19 @@ class EngineWatch:
             try:
                 response = await client.health(timeout_s=config.health_timeout_s)
             except EngineRpcError as exc:
+                if exc.code is GrpcCode.DEADLINE_EXCEEDED:
+                    if self.requests.progress != progress:
+                        # Tokens arrived while Health waited: the engine is busy, not stalled. Withdrawing would take
+                        # a working engine out of routing for nothing (seen at ~1,000 in flight).
+                        log.warning("engine health timed out while its streams deliver tokens: busy, not stalled")
+                        continue
+                    failures += 1
+                    if failures >= config.health_failure_threshold:
+                        await self._stall(f"Health: {exc}")
+                    continue
                 if exc.code not in _ENGINE_GONE_CODES:
                     failures += 1
                     await self._maybe_degrade(failures, f"Health failed: {exc}")
-                    continue
-                if exc.code is GrpcCode.DEADLINE_EXCEEDED and self.requests.progress != progress:
-                    # Tokens arrived while Health waited: the engine is busy, not gone. Calling it lost would fail
-                    # every in-flight request for nothing (seen at ~1,000 in flight).
-                    log.warning("engine health timed out while its streams deliver tokens: busy, not lost")
                     continue
                 failures += 1
                 if failures < config.health_failure_threshold:
@@ -174,14 +181,35 @@ class EngineWatch:
             state = bp_enum(response.state)
             if state is HealthState.READY:
                 failures = 0
-                if self.lifecycle.state == "degraded" and not self.host.registration_held:
+                if self.lifecycle.state in ("degraded", "stalled") and not self.host.registration_held:
                     await self._recover()
                 continue
             failures += 1
             await self._maybe_degrade(failures, f"engine health {state.name}")
 
+    async def _stall(self, reason: str) -> None:
+        """The engine does not answer (Health times out, no stream delivers): withdraw, but fail nothing.
+
+        A stopped process, a long pause or a host swapping may resume: every stream in flight keeps waiting for it up
+        to its own inactivity timeout (``--request-inactivity-timeout-secs``), then fails with a migratable error;
+        one the engine resumes completes. The serving context stays attached, so a request that still arrives --
+        routed before the withdrawal landed -- is sent to the engine and waits the same way. Health READY again
+        restores the worker; a refused or lost connection is an engine lost.
+        """
+        if self.lifecycle.state != "serving":
+            return
+        self.lifecycle.fire("stall", reason=f"engine not answering ({reason})")
+        log.warning(
+            "engine not answering: out of routing; %d request(s) in flight wait for it up to their inactivity "
+            "timeout (%gs)",
+            self.requests.in_flight,
+            self.config.request_inactivity_timeout_s,
+        )
+        await self.host.withdraw()
+        metrics.HEALTH_TRANSITIONS.labels(change="degraded").inc()
+
     async def _maybe_degrade(self, failures: int, reason: str) -> None:
-        if failures < self.config.health_failure_threshold or self.lifecycle.state != "serving":
+        if failures < self.config.health_failure_threshold or self.lifecycle.state not in ("serving", "stalled"):
             return
         self.lifecycle.fire("degrade", reason=reason)
         # New requests go elsewhere; in-flight ones carry on against the engine as long as it serves them.
@@ -191,9 +219,9 @@ class EngineWatch:
 
     async def _recover(self) -> None:
         assert self.discovery is not None
-        if self._stalled is not None:
+        if self._not_producing is not None:
             # Withdrawn because the engine stopped producing: its Health says READY regardless. Only a canary
-            # generation brings the worker back (watch_stall).
+            # generation brings the worker back (watch_not_producing).
             return
         self.lifecycle.fire("recover", reason="engine health READY")
         self.requests.attach(self.host.serving_context(self.discovery))
@@ -214,7 +242,7 @@ class EngineWatch:
         client = self.client
         reason = client.going_away or "GOAWAY"
         life = self.lifecycle
-        if life.state == "serving":
+        if life.state in ("serving", "stalled"):
             life.fire("degrade", reason=f"the engine is going away ({reason})")
             self.requests.attach(None)
             await self.host.withdraw()
@@ -246,7 +274,7 @@ class EngineWatch:
                 if found is None:
                     continue
                 reason = f"engine changed after a lost connection: {found}"
-            if self.lifecycle.state not in ("serving", "degraded"):
+            if self.lifecycle.state not in _WATCHED:
                 self.identity.expect(self.identity.expected)  # reconnecting already: it rediscovers anyway
                 continue
             log.warning("%s; rediscovering it", reason)
@@ -266,31 +294,33 @@ class EngineWatch:
             return None if isinstance(exc, EngineRpcError | trio.TooSlowError) else str(exc)
         return ", ".join(differences(old, new)) or None
 
-    async def _engine_stalled(self, reason: str) -> None:
+    async def _engine_not_producing(self, reason: str) -> None:
         """``RequestServer.on_stall``: the engine stopped producing (an inactivity timeout with nothing received by
         any request). Withdraw from routing before that request's error reaches the frontend, whose migration must
         land on another worker (with one worker the client gets a 503 after one timeout, not four). A canary
-        generation brings the worker back (:meth:`watch_stall`)."""
+        generation brings the worker back (:meth:`watch_not_producing`)."""
         if self.lifecycle.state == "serving":
-            self._stalled = reason
-            self._stall_withdrawn = trio.Event()
+            self._not_producing = reason
+            self._not_producing_withdrawn = trio.Event()
             self.lifecycle.fire("degrade", reason=reason)
             self.requests.attach(None)
             metrics.HEALTH_TRANSITIONS.labels(change="degraded").inc()
-            self._stall_noticed.set()
+            self._not_producing_noticed.set()
             await self.host.withdraw()
-            self._stall_withdrawn.set()
-        elif self._stalled is not None:
-            await self._stall_withdrawn.wait()  # another request is withdrawing the worker: this error waits too
+            self._not_producing_withdrawn.set()
+        elif self._not_producing is not None:
+            # Another request is withdrawing the worker: this error waits for the withdrawal too.
+            await self._not_producing_withdrawn.wait()
+        # stalled (the engine does not answer at all): withdrawn already; Health READY brings it back.
 
-    async def watch_stall(self) -> None:
-        """While withdrawn for a stall: a one-token canary generation every health poll interval; the first that the
-        engine answers to its end restores the worker."""
+    async def watch_not_producing(self) -> None:
+        """While withdrawn for an engine not producing: a one-token canary generation every health poll interval; the
+        first that the engine answers to its end restores the worker."""
         probes = 0
         while True:
-            await self._stall_noticed.wait()
-            self._stall_noticed = trio.Event()
-            while self._stalled is not None and self.lifecycle.state == "degraded" and self.discovery is not None:
+            await self._not_producing_noticed.wait()
+            self._not_producing_noticed = trio.Event()
+            while self._not_producing is not None and self.lifecycle.state == "degraded" and self.discovery is not None:
                 await trio.sleep(self.config.health_poll_interval_s)
                 probes += 1
                 failure = await probe_generation(
@@ -301,9 +331,9 @@ class EngineWatch:
                 if failure is not None:
                     log.warning("canary generation failed (%s): still withdrawn", failure)
                     continue
-                if self._stalled is not None and self.lifecycle.state == "degraded":
+                if self._not_producing is not None and self.lifecycle.state == "degraded":
                     log.info("canary generation answered: the engine produces again")
-                    self._stalled = None
+                    self._not_producing = None
                     await self._recover()
 
     # ------------------------------------------------------------------ the way back
@@ -317,7 +347,7 @@ class EngineWatch:
         """
         generation = self._engine_generation
         async with self._reconnecting:
-            if generation != self._engine_generation or self.lifecycle.state not in ("serving", "degraded"):
+            if generation != self._engine_generation or self.lifecycle.state not in _WATCHED:
                 return
             await self._reconnect(reason, claimed_change=claimed_change)
             self._engine_generation += 1
@@ -367,7 +397,7 @@ class EngineWatch:
         # Before routing resumes: a request for an adapter the restarted engine lacks would fail with NOT_FOUND.
         await self.host.engine_restarted()
         self.identity.expect(self.discovery.caps.instance_id)
-        self._stalled = None  # a stall is over with the rediscovered engine
+        self._not_producing = None  # over with the rediscovered engine
         self.requests.attach(self.host.serving_context(self.discovery))
         # The card first: what the engine now reports (capabilities, limits) is registered before the instance is
         # routable again.
