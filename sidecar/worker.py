@@ -213,9 +213,9 @@ class Worker:
                     try:
                         deadline = trio.current_time() + config.grpc_startup_deadline_s
                         life.fire("connect", reason=config.grpc_endpoint)
-                        await client.wait_connected(deadline)
+                        server = await client.wait_connected(deadline)
                         life.fire("connected")
-                        first = await watch.discover_until_ready(deadline)
+                        first = await watch.discover_until_ready(deadline, server=server)
                     except (StartupRefused, SchemaIncompatible, EngineRpcError) as exc:
                         life.fire("fail", reason=str(exc))
                         log.error("refusing to start: %s", exc)

@@ -17,6 +17,7 @@ watch needs of the worker around it -- routing in and out, the model card, the s
 asks through :class:`WatchHost`, so that the watch can be driven in virtual time against in-memory fakes.
 """
 
-from ._watch import EngineWatch, WatchHost
+from ._probe import PortProbe
+from ._watch import PROBE_INTERVAL_S, EngineWatch, Probe, WatchHost
 
-__all__ = ["EngineWatch", "WatchHost"]
+__all__ = ["PROBE_INTERVAL_S", "EngineWatch", "PortProbe", "Probe", "WatchHost"]

@@ -18,7 +18,10 @@ from sidecar.ops import metrics
 from sidecar.requests import probe_generation
 from sidecar.startup import StartupRefused, check_unchanged, discover, wait_ready
 
+from ._probe import PortProbe
+
 if TYPE_CHECKING:
+    from openengine_bp.openengine.v1 import ServerInfo
     from sidecar.config import SidecarConfig
     from sidecar.dynamo import Registration
     from sidecar.engine import EngineClient
@@ -30,6 +33,10 @@ log: Final = logging.getLogger("sidecar.worker")
 
 # Health RPC failures that mean "the engine is not there" (restart, crash) rather than "the engine is unwell".
 _ENGINE_GONE_CODES: Final = frozenset({GrpcCode.UNAVAILABLE, GrpcCode.DEADLINE_EXCEEDED})
+# How often the way back tries a connect to the engine's port while it refuses (the cheap half: see _probe.py), and
+# the bound of one try. The expensive half, GetServerInfo, follows at once when the port accepts.
+PROBE_INTERVAL_S: Final = 0.025
+_PROBE_TIMEOUT_S: Final = 1.0
 # Where an engine change or loss starts the way back (reconnecting); elsewhere the worker is on it already.
 _WATCHED: Final = ("serving", "degraded", "stalled")
 # Claims of a new engine in a row that turn out to be the engine the worker had, each soon after the last, before the
@@ -66,6 +73,19 @@ class WatchHost(Protocol):
         ...
 
 
+class Probe(Protocol):
+    """A connect-only probe of the engine's address (:class:`PortProbe`; an in-memory one in tests)."""
+
+    @property
+    def endpoint(self) -> object:
+        """What is probed, for log lines."""
+        ...
+
+    async def accepts(self, timeout_s: float) -> bool | None:
+        """True: a connection was accepted; False: refused (nothing listens); None: no answer within the bound."""
+        ...
+
+
 class EngineWatch:
     """The worker's watch over one engine client: discovery, health, identity, stalls, and the way back."""
 
@@ -77,6 +97,8 @@ class EngineWatch:
         client: EngineClient,
         host: WatchHost,
         fatal: trio.Event,
+        *,
+        probe: Probe | None = None,
     ) -> None:
         self.config = config
         self.lifecycle = lifecycle
@@ -89,6 +111,8 @@ class EngineWatch:
         self.discovery: Discovery | None = None
         #: The engine as the load poller sees it between health polls: a restart (new instance id), an answer.
         self.identity = EngineIdentity()
+        #: Connect-only probes of the engine's address (the way back, and telling a refused port from a failing RPC).
+        self.probe: Probe = probe if probe is not None else PortProbe(client.config.endpoint)
         # One reconnection at a time (the health watch and the identity watch may both find the engine changed);
         # the generation counts completed ones, so a second finder whose engine was already rediscovered stands down.
         self._reconnecting = trio.Lock()
@@ -105,21 +129,42 @@ class EngineWatch:
 
     # ------------------------------------------------------------------ discovery
 
-    async def discover_until_ready(self, deadline: float) -> Discovery:
-        """discovering → waiting_ready → registering: discover, wait for READY, rediscover and compare."""
+    async def discover_until_ready(self, deadline: float, *, server: ServerInfo | None = None) -> Discovery:
+        """discovering → waiting_ready → registering: discover, wait for READY, and when the engine was not READY at
+        once, discover again and compare (an engine still loading may report other limits once it is ready).
+
+        ``server``: the ServerInfo the engine just answered (the way back asks it first), so that it is not asked
+        twice. Ready at the first ask, what was just read is what the ready engine reports: the way back then costs
+        GetModelInfo and one Health beyond that first answer.
+        """
         life = self.lifecycle
         config = self.config
         client = self.client
-        first = await discover(client, config)
+        first = await discover(client, config, server=server)
         if self.discovery is not None:
             # After an engine restart the engine must still be the one this worker registered.
             check_unchanged(self.discovery, first)
         life.fire("discovered", reason=f"{first.caps.engine_name}, model {first.model!r}")
+        if await self._ready_now():
+            life.fire("ready")
+            return first
         await wait_ready(client, deadline=deadline, retry_interval_s=config.grpc_retry_interval_s)
         again = await discover(client, config)
         check_unchanged(first, again)
         life.fire("ready")
         return again
+
+    async def _ready_now(self) -> bool:
+        """One Health call: READY now? (Anything else, an error included, is for ``wait_ready`` to wait out.)"""
+        try:
+            response = await self.client.health(timeout_s=self.config.health_timeout_s)
+        except EngineRpcError:
+            return False
+        return bp_enum(response.state) is HealthState.READY
+
+    @property
+    def _probe_timeout_s(self) -> float:
+        return min(_PROBE_TIMEOUT_S, self.config.grpc_connect_attempt_timeout_s)
 
     def adopt(self, discovery: Discovery) -> None:
         """The engine the worker serves from now on (after the start-up discovery)."""
@@ -173,10 +218,15 @@ class EngineWatch:
                     await self._maybe_degrade(failures, f"Health failed: {exc}")
                     continue
                 failures += 1
-                if failures < config.health_failure_threshold:
+                refused = await self.probe.accepts(self._probe_timeout_s) is False
+                if failures < config.health_failure_threshold and not refused:
                     continue
                 failures = 0
-                await self.engine_lost(str(exc))
+                # Nothing accepts connections on the engine's port: it is gone (a crash, a restart) -- no reason to
+                # wait for more failed polls, and every moment routable here is a request that fails.
+                await self.engine_lost(
+                    f"{exc}; nothing accepts connections at {self.probe.endpoint}" if refused else str(exc)
+                )
                 continue
             state = bp_enum(response.state)
             if state is HealthState.READY:
@@ -209,13 +259,15 @@ class EngineWatch:
         metrics.HEALTH_TRANSITIONS.labels(change="degraded").inc()
 
     async def _maybe_degrade(self, failures: int, reason: str) -> None:
-        if failures < self.config.health_failure_threshold or self.lifecycle.state not in ("serving", "stalled"):
+        state = self.lifecycle.state
+        if failures < self.config.health_failure_threshold or state not in ("serving", "stalled"):
             return
         self.lifecycle.fire("degrade", reason=reason)
         # New requests go elsewhere; in-flight ones carry on against the engine as long as it serves them.
         self.requests.attach(None)
-        await self.host.withdraw()
-        metrics.HEALTH_TRANSITIONS.labels(change="degraded").inc()
+        if state == "serving":  # a stalled worker is withdrawn already
+            await self.host.withdraw()
+            metrics.HEALTH_TRANSITIONS.labels(change="degraded").inc()
 
     async def _recover(self) -> None:
         assert self.discovery is not None
@@ -243,10 +295,12 @@ class EngineWatch:
         reason = client.going_away or "GOAWAY"
         life = self.lifecycle
         if life.state in ("serving", "stalled"):
+            withdrawn = life.state == "stalled"
             life.fire("degrade", reason=f"the engine is going away ({reason})")
             self.requests.attach(None)
-            await self.host.withdraw()
-            metrics.HEALTH_TRANSITIONS.labels(change="degraded").inc()
+            if not withdrawn:
+                await self.host.withdraw()
+                metrics.HEALTH_TRANSITIONS.labels(change="degraded").inc()
         log.info(
             "engine going away: %d request(s) in flight continue until they end or the engine closes its connections",
             self.requests.in_flight,
@@ -365,12 +419,16 @@ class EngineWatch:
         metrics.RECONNECTS.labels(stage="lost").inc()
         self.requests.attach(None)
         await self.host.withdraw()
-        # Streams on a dropped connection fail by themselves; this covers an engine that hangs instead.
-        failed = self.requests.cancel_all(EngineGone(f"engine lost ({reason}); retry on another worker"))
-        if failed:
-            log.warning("engine lost: %d in-flight request(s) failed over", failed)
+        if not claimed_change:
+            # Streams on a dropped connection fail by themselves; this covers an engine that hangs instead. After a
+            # restart the watch found only once another engine answered, the streams of the old one are gone with
+            # its connections, and those in flight run on the new one, which took them: they are left alone.
+            failed = self.requests.cancel_all(EngineGone(f"engine lost ({reason}); retry on another worker"))
+            if failed:
+                log.warning("engine lost: %d in-flight request(s) failed over", failed)
         while True:
-            await self._wait_for_engine()
+            accepted_at, server = await self._wait_for_engine()
+            answered_at = trio.current_time()
             if client.going_away is not None:
                 # A GOAWAY heard while reconnecting came from the engine being left (its last connections closing):
                 # the one that answers now said nothing. Its episode ends with those connections (bounded), or the
@@ -379,7 +437,7 @@ class EngineWatch:
             life.fire("reconnected")
             try:
                 deadline = trio.current_time() + config.grpc_startup_deadline_s
-                self.discovery = await self.discover_until_ready(deadline)
+                self.discovery = await self.discover_until_ready(deadline, server=server)
                 break
             except (StartupRefused, SchemaIncompatible) as exc:
                 life.fire("fail", reason=f"the restarted engine is not the one registered: {exc}")
@@ -393,17 +451,29 @@ class EngineWatch:
                 # It answered once and is gone again (a restart still in progress, or an engine still draining
                 # after its GOAWAY): wait for it again rather than give up.
                 life.fire("engine_lost", reason=f"the engine went away again during rediscovery: {exc}")
+        ready_at = trio.current_time()
         await self._bound_repeats(before, self.discovery, claimed_change=claimed_change)
         # Before routing resumes: a request for an adapter the restarted engine lacks would fail with NOT_FOUND.
         await self.host.engine_restarted()
         self.identity.expect(self.discovery.caps.instance_id)
         self._not_producing = None  # over with the rediscovered engine
         self.requests.attach(self.host.serving_context(self.discovery))
+        held_from = trio.current_time()
         # The card first: what the engine now reports (capabilities, limits) is registered before the instance is
         # routable again.
         held = await self.host.into_routing(self.host.card(self.discovery))
+        done = trio.current_time()
         if held is None:
             life.fire("registered", reason="engine back")
+            log.info(
+                "engine back: serving again %.0f ms after it accepted a connection (GetServerInfo answered after "
+                "%.0f ms, discovered and ready after %.0f ms more, %sregistered and routable %.0f ms later)",
+                (done - accepted_at) * 1000,
+                (answered_at - accepted_at) * 1000,
+                (ready_at - answered_at) * 1000,
+                f"held out of routing {held_from - ready_at:.1f}s, " if held_from - ready_at >= 0.1 else "",
+                (done - held_from) * 1000,
+            )
         else:
             # Requests that still arrive are served; routing resumes when the watchdog has written every entry.
             life.fire("degrade", reason=held)
@@ -450,24 +520,59 @@ class EngineWatch:
         )
         await trio.sleep(wait_s)
 
-    async def _wait_for_engine(self) -> None:
-        """Until the engine answers GetServerInfo again, with capped exponential backoff and jitter."""
+    async def _wait_for_engine(self) -> tuple[float, ServerInfo]:
+        """Until the engine answers GetServerInfo again: when its port was first seen accepting connections, and the
+        answer.
+
+        Two halves (docs/faults.md, *The way back*). The cheap one: while nothing accepts connections on the engine's
+        address, a connect every :data:`PROBE_INTERVAL_S` and nothing else -- a refused connect costs the engine
+        nothing, so serving resumes within moments of the engine listening however long the outage. The expensive
+        one, a GetServerInfo call, runs at once when the port accepts after refusing, and otherwise with capped
+        exponential backoff and jitter (``--grpc-retry-interval-secs`` doubling up to
+        ``--reconnect-backoff-max-secs``): an engine that accepts but does not answer yet is not hammered, and many
+        workers do not retry in step. A host that answers no connect at all (packets dropped) gets the expensive
+        attempts on the backoff schedule. The load poller's first answer from the engine also ends a wait.
+        """
         config = self.config
         backoff = config.grpc_retry_interval_s
+        next_attempt = trio.current_time()
+        accepted_at: float | None = None
+        refusing = False
+        logged = False
         while True:
-            try:
-                await self.client.get_server_info(timeout_s=config.grpc_connect_attempt_timeout_s)
-                return
-            except EngineRpcError as exc:
-                log.info("engine not back yet (%s); retrying in %.1fs", exc, backoff)
-            # Exponential backoff with jitter, capped: many workers must not hammer a restarting engine in step. The
-            # load poller keeps asking the engine every second meanwhile: its first answer ends the wait, so serving
-            # resumes within moments of the engine's return however long the outage (the backoff alone waited up to
-            # its 30 s cap).
             self.identity.answered = trio.Event()
-            with trio.move_on_after(backoff * random.uniform(0.8, 1.2)):
+            state = await self.probe.accepts(self._probe_timeout_s)
+            now = trio.current_time()
+            if state is False:
+                if not logged:
+                    log.info(
+                        "engine not accepting connections at %s: probing every %.0f ms",
+                        self.probe.endpoint,
+                        PROBE_INTERVAL_S * 1000,
+                    )
+                    logged = True
+                refusing, accepted_at = True, None
+                with trio.move_on_after(PROBE_INTERVAL_S):
+                    await self.identity.answered.wait()
+                continue
+            if state and accepted_at is None:
+                accepted_at = now
+            if refusing or now >= next_attempt:
+                refusing = False
+                try:
+                    server = await self.client.get_server_info(timeout_s=config.grpc_connect_attempt_timeout_s)
+                    return (accepted_at if accepted_at is not None else now), server
+                except EngineRpcError as exc:
+                    wait_s = backoff * random.uniform(0.8, 1.2)
+                    log.info("engine not back yet (%s); next attempt in %.1fs", exc, wait_s)
+                    next_attempt = trio.current_time() + wait_s
+                    backoff = min(backoff * 2, config.reconnect_backoff_max_s)
+            # Accepting (or silent) but not answering yet: probe on, so that a port that refuses in between (the
+            # engine restarting again) is seen; the next attempt comes at its time, or at the load poller's answer.
+            with trio.move_on_after(max(0.0, min(PROBE_INTERVAL_S, next_attempt - trio.current_time()))):
                 await self.identity.answered.wait()
-            backoff = min(backoff * 2, config.reconnect_backoff_max_s)
+            if self.identity.answered.is_set():
+                next_attempt = trio.current_time()
 
 
 def differences(old: Discovery, new: Discovery) -> list[str]:

@@ -170,6 +170,19 @@ class Engine(LoopSideGenerate):
         yield stream()
 
 
+class PortOf:
+    """The in-memory engine's port, as the way back's connect probe sees it: accepting while the engine is up."""
+
+    endpoint = "the in-memory engine"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def accepts(self, timeout_s: float) -> bool | None:
+        await trio.lowlevel.checkpoint()
+        return self.engine.up
+
+
 class Dynamo:
     """The worker's Dynamo side: what was withdrawn, restored and registered, when; and discovery entries that cannot
     be written (``unwritable``: ``"instance"``, ``"card"`` or another entry's name), as file discovery refuses a
@@ -266,7 +279,15 @@ async def serving_worker(engine: Engine, dynamo: Dynamo, *args: str) -> Worker:
     life = worker.lifecycle
     worker._client = engine  # type: ignore[assignment]
     worker._dynamo = dynamo  # type: ignore[assignment]
-    watch = worker.watch = EngineWatch(worker.config, life, worker.requests, engine, worker, worker._fatal)  # type: ignore[arg-type]
+    watch = worker.watch = EngineWatch(
+        worker.config,
+        life,
+        worker.requests,
+        engine,  # type: ignore[arg-type]
+        worker,
+        worker._fatal,
+        probe=PortOf(engine),
+    )
     life.fire("connect")
     life.fire("connected")
     discovery = await watch.discover_until_ready(trio.current_time() + 30)
