@@ -4,7 +4,12 @@ Nursery tree (hypercorn's shape)::
 
     run_worker
     └── signals ⊃ edge thread ⊃ engine client ⊃ Dynamo runtime
-        └── request nursery: one task per request (sidecar.requests), the Dynamo serve task
+        ├── request nursery: one task per request (sidecar.requests), the Dynamo serve task
+        └── watchers: routing signals (sidecar.kv), the engine watch (sidecar.enginewatch: health, identity, stalls,
+            the way back after a lost engine), the registration watchdog
+
+The worker is the engine watch's host (``WatchHost``): it routes the instance in and out, builds the model card and
+the serving context, and resyncs LoRA adapters after a restart; the watch decides when.
 
 Drain on SIGTERM/SIGINT: stop accepting (new requests get a migratable error, the model card and instance are
 withdrawn from discovery first), let in-flight requests finish until ``--drain-timeout-secs``, then cancel the

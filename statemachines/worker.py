@@ -33,9 +33,12 @@
 #                  READY is `degrade`; a refused or lost connection is `engine_lost`.
 # * `recover`:     Health is READY again (after "engine not producing": a canary generation was answered) ->
 #                  `registering` re-registers, then `registered` -> serving.
-# * `engine_lost`: the channel to the engine is gone (restart, crash, network), or another engine answers on it (a
-#                  new instance id, a quick restart).  In-flight requests are failed with a migratable error, the
-#                  registration is withdrawn, the worker reconnects with backoff; on `reconnected` it goes back
+# * `engine_lost`: the channel to the engine is gone (restart, crash, network: a failed poll with nothing accepting
+#                  connections on the engine's port is one at once), or another engine answers on it (a new instance
+#                  id, a quick restart).  In-flight requests are failed with a migratable error (after a restart
+#                  noticed by its instance id, those on the new engine are left alone), the registration is
+#                  withdrawn, the worker probes the engine's port until it accepts and asks it again at once (backed
+#                  off only while the port accepts and the engine does not answer); on `reconnected` it goes back
 #                  through discovering (which refuses a changed role or model), waiting_ready and registering -- the
 #                  same checks as a cold start, and the model card is registered again with what the engine reports
 #                  (removed and published again when it changed: Dynamo refuses to rewrite a card in place).  A claim
@@ -247,9 +250,11 @@ STATE_DOCS: dict[WorkerState, StateDoc] = {
     ),
     "reconnecting": StateDoc(
         meaning="The connection to the engine was lost, or a restarted engine answers (a new instance id); "
-        "registration withdrawn, in-flight requests failed with a migratable error, reconnecting with backoff (cut "
-        "short as soon as the load poller gets an answer).",
-        operator_sees="An error naming the lost connection, then throttled retry logs; /health 503; clients of "
+        "registration withdrawn, in-flight requests failed with a migratable error; a connect to the engine's port "
+        "every 25 ms while it refuses, GetServerInfo as soon as it accepts (backed off, 1 s doubling, while the port "
+        "accepts and the engine does not answer yet).",
+        operator_sees="A line naming the lost connection, 'engine not accepting connections … probing every 25 ms', "
+        "then 'engine back: serving again N ms after it accepted a connection'; /health 503 meanwhile; clients of "
         "in-flight requests migrate (if the frontend's migration limit allows) or get an error.",
         action="Check whether the engine restarted or crashed. The worker rediscovers and re-registers by itself "
         "when the engine is back (a model card with other limits or capabilities replaces the old one whole); it "
