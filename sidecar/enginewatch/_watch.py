@@ -181,10 +181,13 @@ class EngineWatch:
             nursery.start_soon(self.watch_not_producing)
 
     async def watch_health(self) -> None:
-        """Poll Control.Health: not READY degrades the worker, an unreachable engine means reconnecting.
+        """Poll Control.Health: not READY degrades the worker; no answer while nothing flows stalls it (withdrawn,
+        nothing failed: the engine may resume); an engine whose port refuses connections, or that keeps failing
+        UNAVAILABLE, sends it the way back; READY again restores it.
 
-        Dynamo's Rust sidecars exit here; this worker withdraws from routing and keeps its process, so an engine
-        restart or a slow spell costs the in-flight requests (which migrate) but not the worker.
+        Dynamo's Rust sidecars have no such watch (the 1.6 line) or exit here; this worker withdraws from routing and
+        keeps its process, so an engine restart costs the in-flight requests (which migrate) but not the worker, and
+        a stall costs nothing but the wait.
         """
         config = self.config
         client = self.client
