@@ -18,11 +18,12 @@ import trio.testing
 from sidecar.dynamo import RequestContext
 from sidecar.errors import WorkerDraining
 from sidecar.requests import HungEngine
+from sidecar.worker import _client_config
 from statemachines import WORKER, WorkerLifecycle
 from tests.helpers.scripted_engine import serve
 from tests.helpers.waits import wait_until
 
-from .fakes import FakeEngine, serving_watch
+from .fakes import FakeEngine, config, serving_watch
 
 Clock = trio.testing.MockClock
 TIMEOUT = 5.0
@@ -198,3 +199,13 @@ async def test_an_engine_killed_during_a_stall_is_lost_at_once_and_the_worker_co
     assert events(transitions) == ["stall", "engine_lost", "reconnected", "discovered", "ready", "registered"]
     assert watch.discovery is not None
     assert watch.discovery.caps.instance_id == "engine-2"
+
+
+@pytest.mark.parametrize(("timeout", "keepalive"), [("60", 60.0), ("5", 20.0), ("90", 90.0)])
+def test_the_keepalive_never_closes_a_stopped_engines_connections_before_the_inactivity_timeout(
+    timeout: str, keepalive: float
+) -> None:
+    """A stopped engine answers no HTTP/2 PING: with the client's default 20 s the connections (and their streams)
+    went 20-50 s into a stall, before the default 60 s inactivity timeout. Failed before: 20 s whatever the timeout."""
+    client = _client_config(config("--request-inactivity-timeout-secs", timeout))
+    assert client.keepalive_timeout_s == keepalive
