@@ -160,9 +160,11 @@ def check_role_connector(role: Role, caps: Capabilities) -> list[str]:
     return warnings
 
 
-async def discover(client: EngineClient, config: SidecarConfig) -> Discovery:
-    """GetServerInfo + GetModelInfo, checked against this client and the configuration."""
-    server = await client.get_server_info()
+async def discover(client: EngineClient, config: SidecarConfig, *, server: ServerInfo | None = None) -> Discovery:
+    """GetServerInfo + GetModelInfo, checked against this client and the configuration. ``server``: the ServerInfo
+    the engine has just answered (the way back after a lost engine asks it first), instead of asking again."""
+    if server is None:
+        server = await client.get_server_info()
     try:
         warnings = check_server_compat(
             server, expected_release=config.expected_schema_release, expected_engine=config.expected_engine

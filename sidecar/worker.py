@@ -4,7 +4,12 @@ Nursery tree (hypercorn's shape)::
 
     run_worker
     └── signals ⊃ edge thread ⊃ engine client ⊃ Dynamo runtime
-        └── request nursery: one task per request (sidecar.requests), the Dynamo serve task
+        ├── request nursery: one task per request (sidecar.requests), the Dynamo serve task
+        └── watchers: routing signals (sidecar.kv), the engine watch (sidecar.enginewatch: health, identity, stalls,
+            the way back after a lost engine), the registration watchdog
+
+The worker is the engine watch's host (``WatchHost``): it routes the instance in and out, builds the model card and
+the serving context, and resyncs LoRA adapters after a restart; the watch decides when.
 
 Drain on SIGTERM/SIGINT: stop accepting (new requests get a migratable error, the model card and instance are
 withdrawn from discovery first), let in-flight requests finish until ``--drain-timeout-secs``, then cancel the
@@ -14,9 +19,9 @@ runtime down and exit 0. A second signal skips the wait. Every step is a worker-
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import random
 import signal
 from collections.abc import Awaitable, Mapping, MutableMapping
 from functools import partial
@@ -24,8 +29,6 @@ from typing import TYPE_CHECKING, Any, Final
 
 import trio
 
-from openengine_bp.openengine.v1 import HealthState
-from sidecar.convert.enums import bp_enum
 from sidecar.dynamo import (
     ControlPlaneError,
     ControlPlaneUnreachable,
@@ -35,23 +38,16 @@ from sidecar.dynamo import (
 )
 from sidecar.edge import loop_tasks, open_edge
 from sidecar.engine import EngineClientConfig, SchemaIncompatible, open_engine_client, parse_endpoint
-from sidecar.errors import EngineGone, EngineRpcError, GrpcCode, WorkerDraining
+from sidecar.enginewatch import EngineWatch
+from sidecar.errors import EngineGone, EngineRpcError, WorkerDraining
 from sidecar.http2 import apply_tunings
-from sidecar.kv import EngineIdentity, RoutingPlan, discover_routing, routing_config, run_routing_signals
+from sidecar.kv import RoutingPlan, discover_routing, routing_config, run_routing_signals
 from sidecar.lora import CONTROLS, LoraManager, LoraSettings, observe_lora
 from sidecar.ops import logs, metrics
 from sidecar.ops.health import LIVE_ROUTE, SystemPort, liveness
 from sidecar.ops.server import serve_live_state
-from sidecar.requests import RequestServer, ServingContext, probe_generation
-from sidecar.startup import (
-    Discovery,
-    StartupRefused,
-    check_unchanged,
-    discover,
-    engine_detokenizes,
-    registration_for,
-    wait_ready,
-)
+from sidecar.requests import RequestServer, ServingContext
+from sidecar.startup import Discovery, StartupRefused, engine_detokenizes, registration_for
 from statemachines import LORA, WORKER, WorkerLifecycle
 
 if TYPE_CHECKING:
@@ -66,14 +62,9 @@ log: Final = logging.getLogger("sidecar.worker")
 
 # After the drain deadline has cancelled the stragglers, how long their aborts may take before teardown.
 _STRAGGLER_GRACE_S: Final = 5.0
-# Health RPC failures that mean "the engine is not there" (restart, crash) rather than "the engine is unwell".
-_ENGINE_GONE_CODES: Final = frozenset({GrpcCode.UNAVAILABLE, GrpcCode.DEADLINE_EXCEEDED})
 # Registration checks in a row that could not restore what discovery lost before the worker exits 1 (60 s at the
 # default 5 s interval): out of routing that long, only a fresh process (or its refusal to start) can tell more.
 _REGISTRATION_GIVE_UP_CHECKS: Final = 12
-# Claims of a new engine in a row that turn out to be the engine the worker had, each soon after the last, before the
-# worker fails: the waits between them (1, 2, 4, 8 s at the default retry interval) sum to 15 s.
-_REDISCOVERY_REPEAT_LIMIT: Final = 5
 
 
 def _observe_worker(model: WorkerLifecycle, event: WorkerEvent, source: WorkerState, dest: WorkerState) -> None:
@@ -84,7 +75,7 @@ def _observe_worker(model: WorkerLifecycle, event: WorkerEvent, source: WorkerSt
 
 
 def _client_config(config: SidecarConfig) -> EngineClientConfig:
-    return EngineClientConfig(
+    client = EngineClientConfig(
         endpoint=parse_endpoint(config.grpc_endpoint, tls=config.grpc_tls_ca is not None),
         connections=config.grpc_connections,
         tls_ca=config.grpc_tls_ca,
@@ -97,6 +88,10 @@ def _client_config(config: SidecarConfig) -> EngineClientConfig:
         startup_deadline_s=config.grpc_startup_deadline_s,
         direct_receive=config.grpc_receive == "direct",
     )
+    # A stopped or paused engine answers no HTTP/2 PING either: the keepalive must not close its connections (and
+    # fail their streams) before each stream's own inactivity timeout has had its say (docs/faults.md, the stall).
+    keepalive_timeout_s = max(client.keepalive_timeout_s, config.request_inactivity_timeout_s)
+    return dataclasses.replace(client, keepalive_timeout_s=keepalive_timeout_s)
 
 
 def _component(config: SidecarConfig, role: str | None) -> str:
@@ -129,25 +124,12 @@ class Worker:
         self._force = trio.Event()
         # Set when the worker must exit 1 (engine lost with --exit-on-engine-loss, a different engine came back).
         self._fatal = trio.Event()
-        self._discovery: Discovery | None = None
         self._routing: RoutingPlan | None = None
         self._lora: LoraManager | None = None
-        # The engine as the load poller sees it between health polls: a restart (new instance id), an answer.
-        self._identity = EngineIdentity()
-        # One reconnection at a time (the health watch and the identity watch may both find the engine changed);
-        # the generation counts completed ones, so a second finder whose engine was already rediscovered stands down.
-        self._reconnecting = trio.Lock()
-        self._engine_generation = 0
-        # When the last reconnection ended (see _bound_repeats).
-        self._last_rediscovery: float | None = None
-        self._rediscovery_repeats = 0
-        # Why the worker is degraded for an engine that stopped producing (None: it is not); a canary generation
-        # ends it (_watch_stall), not Health, which stays READY on a wedged engine.
-        self._stalled: str | None = None
-        self._stall_noticed = trio.Event()
-        self._stall_withdrawn = trio.Event()
+        # The engine watch (sidecar.enginewatch), made once the engine client is open.
+        self.watch: EngineWatch | None = None
+        self._client: EngineClient | None = None
         self._dynamo: DynamoWorker | None = None
-        self.requests.on_stall = self._engine_stalled
         self._engine_detokenize: bool | None = None  # the last decision logged
         # The system port, ours for the whole life (None without DYN_SYSTEM_PORT), and Dynamo's readiness switch,
         # set on every transition so its own port behind ours agrees (see sidecar.ops.health).
@@ -227,6 +209,8 @@ class Worker:
         life = self.lifecycle
         async with open_edge() as edge, open_engine_client(edge, _client_config(config)) as client:
             metrics.watch_tasks(trio.lowlevel.current_root_task(), partial(loop_tasks, edge.loop))
+            self._client = client
+            watch = self.watch = EngineWatch(config, life, self.requests, client, self, self._fatal)
             first = None
             with trio.CancelScope() as startup:
                 # A signal during start-up ends it: nothing is registered yet, so nothing needs draining.
@@ -235,9 +219,9 @@ class Worker:
                     try:
                         deadline = trio.current_time() + config.grpc_startup_deadline_s
                         life.fire("connect", reason=config.grpc_endpoint)
-                        await client.wait_connected(deadline)
+                        server = await client.wait_connected(deadline)
                         life.fire("connected")
-                        first = await self._discover_until_ready(client, deadline)
+                        first = await watch.discover_until_ready(deadline, server=server)
                     except (StartupRefused, SchemaIncompatible, EngineRpcError) as exc:
                         life.fire("fail", reason=str(exc))
                         log.error("refusing to start: %s", exc)
@@ -248,8 +232,7 @@ class Worker:
                 life.fire("stop", reason="shutdown requested during start-up")
                 return 0
 
-            self._discovery = first
-            self._identity.expect(first.caps.instance_id)
+            watch.adopt(first)
             # KV event sources are discovered before registering: with events, the model registers for KV routing.
             plan = self._routing = await discover_routing(client, first.caps, routing_config(config))
             registration = self._registration(first)
@@ -267,7 +250,7 @@ class Worker:
                 self._dynamo = dynamo
                 await self._adopt_system_port(dynamo)
                 await dynamo.export_metrics(metrics.exposition, metrics.typed_families)
-                self.requests.attach(self._serving(client, first))
+                self.requests.attach(self.serving_context(first))
                 try:
                     await dynamo.register(registration)
                 except RegistrationRefused as exc:
@@ -284,12 +267,10 @@ class Worker:
                 life.fire("registered", reason=f"model {registration.served_model_name!r}")
                 async with trio.open_nursery() as watchers:
                     signals = partial(
-                        run_routing_signals, identity=self._identity, in_flight=self.requests.tokens_in_flight
+                        run_routing_signals, identity=watch.identity, in_flight=self.requests.tokens_in_flight
                     )
                     await watchers.start(signals, client, dynamo, plan, routing_config(config))
-                    watchers.start_soon(self._watch_engine, client, dynamo)
-                    watchers.start_soon(self._watch_identity, client, dynamo)
-                    watchers.start_soon(self._watch_stall, client, dynamo)
+                    watchers.start_soon(watch.run)
                     watchers.start_soon(self._watch_registration, dynamo)
                     await _first_of(self._stop, self._fatal)
                     watchers.cancel_scope.cancel(reason="worker stopping")
@@ -368,7 +349,25 @@ class Worker:
         log.error("%s%s", "refusing to start: " if isinstance(error, ControlPlaneUnreachable) else "", error)
         return 1
 
-    def _serving(self, client: EngineClient, discovery: Discovery) -> ServingContext:
+    # ------------------------------------------------------------------ what the engine watch asks (WatchHost)
+
+    @property
+    def registration_held(self) -> bool:
+        return self._registration_lost
+
+    def card(self, discovery: Discovery) -> Registration:
+        return self._registration(discovery)
+
+    async def withdraw(self) -> None:
+        assert self._dynamo is not None
+        await _best_effort("withdrawal from routing", self._dynamo.withdraw(), self.config.grpc_rpc_timeout_s)
+
+    async def engine_restarted(self) -> None:
+        if self._lora is not None:
+            await self._lora.sync(engine_restarted=True)
+
+    def serving_context(self, discovery: Discovery) -> ServingContext:
+        assert self._client is not None
         detokenize = engine_detokenizes(self.config.engine_detokenize, discovery.caps.engine_name)
         if detokenize != self._engine_detokenize:
             self._engine_detokenize = detokenize
@@ -379,7 +378,7 @@ class Worker:
                 discovery.caps.engine_name,
             )
         return ServingContext(
-            client=client,
+            client=self._client,
             caps=discovery.caps,
             model=discovery.model,
             context_length=discovery.context_length,
@@ -389,235 +388,15 @@ class Worker:
             engine_detokenize=detokenize,
         )
 
-    async def _discover_until_ready(self, client: EngineClient, deadline: float) -> Discovery:
-        """discovering → waiting_ready → registering: discover, wait for READY, rediscover and compare."""
-        life = self.lifecycle
-        config = self.config
-        first = await discover(client, config)
-        if self._discovery is not None:
-            # After an engine restart the engine must still be the one this worker registered.
-            check_unchanged(self._discovery, first)
-        life.fire("discovered", reason=f"{first.caps.engine_name}, model {first.model!r}")
-        await wait_ready(client, deadline=deadline, retry_interval_s=config.grpc_retry_interval_s)
-        again = await discover(client, config)
-        check_unchanged(first, again)
-        life.fire("ready")
-        return again
-
-    # ------------------------------------------------------------------ supervision
-
-    async def _watch_engine(self, client: EngineClient, dynamo: DynamoWorker) -> None:
-        """Poll Control.Health: not READY degrades the worker, an unreachable engine means reconnecting.
-
-        Dynamo's Rust sidecars exit here; this worker withdraws from routing and keeps its process, so an engine
-        restart or a slow spell costs the in-flight requests (which migrate) but not the worker.
-        """
-        config = self.config
-        failures = 0
-        # A GOAWAY wakes this watch at once; handling it here keeps every lifecycle step of the engine in one task.
-        client.on_going_away(lambda _reason: self.requests.engine_trouble.set())
-        while True:
-            with trio.move_on_after(config.health_poll_interval_s):
-                await self.requests.engine_trouble.wait()
-            self.requests.engine_trouble = trio.Event()
-            if client.going_away is not None:
-                await self._engine_going_away(client, dynamo)
-                failures = 0
-                continue
-            progress = self.requests.progress
-            try:
-                response = await client.health(timeout_s=config.health_timeout_s)
-            except EngineRpcError as exc:
-                if exc.code not in _ENGINE_GONE_CODES:
-                    failures += 1
-                    await self._maybe_degrade(dynamo, failures, f"Health failed: {exc}")
-                    continue
-                if exc.code is GrpcCode.DEADLINE_EXCEEDED and self.requests.progress != progress:
-                    # Tokens arrived while Health waited: the engine is busy, not gone. Calling it lost would fail
-                    # every in-flight request for nothing (seen at ~1,000 in flight).
-                    log.warning("engine health timed out while its streams deliver tokens: busy, not lost")
-                    continue
-                failures += 1
-                if failures < config.health_failure_threshold:
-                    continue
-                failures = 0
-                await self._engine_lost(client, dynamo, str(exc))
-                continue
-            state = bp_enum(response.state)
-            if state is HealthState.READY:
-                failures = 0
-                if self.lifecycle.state == "degraded" and not self._registration_lost:
-                    await self._recover(client, dynamo)
-                continue
-            failures += 1
-            await self._maybe_degrade(dynamo, failures, f"engine health {state.name}")
-
-    async def _maybe_degrade(self, dynamo: DynamoWorker, failures: int, reason: str) -> None:
-        if failures < self.config.health_failure_threshold or self.lifecycle.state != "serving":
-            return
-        self.lifecycle.fire("degrade", reason=reason)
-        # New requests go elsewhere; in-flight ones carry on against the engine as long as it serves them.
-        self.requests.attach(None)
-        await _best_effort("withdrawal from routing", dynamo.withdraw(), self.config.grpc_rpc_timeout_s)
-        metrics.HEALTH_TRANSITIONS.labels(change="degraded").inc()
-
-    async def _recover(self, client: EngineClient, dynamo: DynamoWorker) -> None:
-        assert self._discovery is not None
-        if self._stalled is not None:
-            # Withdrawn because the engine stopped producing: its Health says READY regardless. Only a canary
-            # generation brings the worker back (_watch_stall).
-            return
-        self.lifecycle.fire("recover", reason="engine health READY")
-        self.requests.attach(self._serving(client, self._discovery))
-        held = await self._back_into_routing(dynamo)
-        if held is not None:
-            self.lifecycle.fire("degrade", reason=held)
-            return
-        self.lifecycle.fire("registered", reason="recovered")
-        metrics.HEALTH_TRANSITIONS.labels(change="recovered").inc()
-
-    async def _engine_lost(
-        self, client: EngineClient, dynamo: DynamoWorker, reason: str, *, claimed_change: bool = False
-    ) -> None:
-        """reconnecting: withdraw, fail in-flight requests migratably, reconnect with backoff, rediscover.
-
-        Also the way back from a quick engine restart (``_watch_identity``): the same rediscovery, and the model card
-        is registered again with what the new engine reports. One at a time: a second caller whose engine was
-        rediscovered while it waited stands down.
-        """
-        generation = self._engine_generation
-        async with self._reconnecting:
-            if generation != self._engine_generation or self.lifecycle.state not in ("serving", "degraded"):
-                return
-            await self._reconnect(client, dynamo, reason, claimed_change=claimed_change)
-            self._engine_generation += 1
-
-    async def _reconnect(
-        self, client: EngineClient, dynamo: DynamoWorker, reason: str, *, claimed_change: bool = False
-    ) -> None:
-        life = self.lifecycle
-        config = self.config
-        before = self._discovery
-        if config.exit_on_engine_loss:
-            life.fire("fail", reason=f"engine lost ({reason}) and --exit-on-engine-loss is set")
-            self._fatal.set()
-            await trio.sleep_forever()
-        life.fire("engine_lost", reason=reason)
-        metrics.RECONNECTS.labels(stage="lost").inc()
-        self.requests.attach(None)
-        await _best_effort("withdrawal from routing", dynamo.withdraw(), config.grpc_rpc_timeout_s)
-        # Streams on a dropped connection fail by themselves; this covers an engine that hangs instead.
-        failed = self.requests.cancel_all(EngineGone(f"engine lost ({reason}); retry on another worker"))
-        if failed:
-            log.warning("engine lost: %d in-flight request(s) failed over", failed)
-        while True:
-            await self._wait_for_engine(client)
-            if client.going_away is not None:
-                # A GOAWAY heard while reconnecting came from the engine being left (its last connections closing):
-                # the one that answers now said nothing. Its episode ends with those connections (bounded), or the
-                # watch would take the worker out again the moment it serves.
-                await client.wait_drained(timeout_s=config.drain_timeout_s)
-            life.fire("reconnected")
-            try:
-                deadline = trio.current_time() + config.grpc_startup_deadline_s
-                self._discovery = await self._discover_until_ready(client, deadline)
-                break
-            except (StartupRefused, SchemaIncompatible) as exc:
-                life.fire("fail", reason=f"the restarted engine is not the one registered: {exc}")
-                self._fatal.set()
-                await trio.sleep_forever()
-            except EngineRpcError as exc:
-                if exc.code not in _ENGINE_GONE_CODES:
-                    life.fire("fail", reason=f"rediscovering the engine failed: {exc}")
-                    self._fatal.set()
-                    await trio.sleep_forever()
-                # It answered once and is gone again (a restart still in progress, or an engine still draining
-                # after its GOAWAY): wait for it again rather than give up.
-                life.fire("engine_lost", reason=f"the engine went away again during rediscovery: {exc}")
-        await self._bound_repeats(before, self._discovery, claimed_change=claimed_change)
-        if self._lora is not None:
-            # Before routing resumes: a request for an adapter the restarted engine lacks would fail with NOT_FOUND.
-            await self._lora.sync(engine_restarted=True)
-        self._identity.expect(self._discovery.caps.instance_id)
-        self._stalled = None  # a stall is over with the rediscovered engine
-        self.requests.attach(self._serving(client, self._discovery))
-        # The card first: what the engine now reports (capabilities, limits) is registered before the instance is
-        # routable again.
-        held = await self._back_into_routing(dynamo, self._registration(self._discovery))
-        if held is None:
-            life.fire("registered", reason="engine back")
-        else:
-            # Requests that still arrive are served; routing resumes when the watchdog has written every entry.
-            life.fire("degrade", reason=held)
-        metrics.RECONNECTS.labels(stage="recovered").inc()
-        self._last_rediscovery = trio.current_time()
-
-    async def _bound_repeats(self, before: Discovery | None, found: Discovery, *, claimed_change: bool) -> None:
-        """Bound the reconnections that were told the engine changed and found the very engine they had.
-
-        Something keeps claiming a new engine that answers as the old one (two engines behind one address, a load
-        balancer answering GetLoad from another backend than GetServerInfo): each such false claim soon after the
-        last one (within ``--reconnect-backoff-max-secs``) waits out of routing (1, 2, 4 … s, capped), and the
-        :data:`_REDISCOVERY_REPEAT_LIMIT`-th in a row fails the worker (one line) so that a supervisor sees it,
-        instead of a reconnect loop that never ends -- or, against an engine that answers at once, never even
-        blocks. An outage (health, GOAWAY, a partition) is no claim: the same engine coming back is what it should.
-        """
-        config = self.config
-        if not claimed_change or before is None or _differences(before, found):
-            self._rediscovery_repeats = 0
-            return
-        instance = found.caps.instance_id
-        last = self._last_rediscovery
-        if last is None or trio.current_time() - last >= config.reconnect_backoff_max_s:
-            self._rediscovery_repeats = 0  # the last false claim is long past: a new series
-        self._rediscovery_repeats += 1
-        repeats = self._rediscovery_repeats
-        if repeats >= _REDISCOVERY_REPEAT_LIMIT:
-            reason = (
-                f"told {repeats} times in a row that the engine changed, the worker found the same instance "
-                f"{instance!r} each time: something keeps claiming a new engine (two engines behind one address?)"
-            )
-            self.lifecycle.fire("fail", reason=reason)
-            log.error("%s; exiting so that a supervisor starts a fresh worker", reason)
-            self._fatal.set()
-            await trio.sleep_forever()
-        wait_s = min(config.grpc_retry_interval_s * 2 ** (repeats - 1), config.reconnect_backoff_max_s)
-        log.warning(
-            "told the engine changed, the worker found the same instance %r (%d of %d in a row): waiting %.1fs "
-            "before serving it again",
-            instance,
-            repeats,
-            _REDISCOVERY_REPEAT_LIMIT,
-            wait_s,
-        )
-        await trio.sleep(wait_s)
-
-    async def _wait_for_engine(self, client: EngineClient) -> None:
-        """Until the engine answers GetServerInfo again, with capped exponential backoff and jitter."""
-        config = self.config
-        backoff = config.grpc_retry_interval_s
-        while True:
-            try:
-                await client.get_server_info(timeout_s=config.grpc_connect_attempt_timeout_s)
-                return
-            except EngineRpcError as exc:
-                log.info("engine not back yet (%s); retrying in %.1fs", exc, backoff)
-            # Exponential backoff with jitter, capped: many workers must not hammer a restarting engine in step. The
-            # load poller keeps asking the engine every second meanwhile: its first answer ends the wait, so serving
-            # resumes within moments of the engine's return however long the outage (the backoff alone waited up to
-            # its 30 s cap).
-            self._identity.answered = trio.Event()
-            with trio.move_on_after(backoff * random.uniform(0.8, 1.2)):
-                await self._identity.answered.wait()
-            backoff = min(backoff * 2, config.reconnect_backoff_max_s)
-
-    async def _back_into_routing(self, dynamo: DynamoWorker, card: Registration | None = None) -> str | None:
+    async def into_routing(self, card: Registration | None) -> str | None:
         """Register ``card`` (if given), then put the instance back into routing; or say why the worker stays out.
 
         While the registration watchdog holds the worker out (an entry it cannot write), the instance stays
         withdrawn: the watchdog restores it with everything else once it can. A write refused here hands the worker
         to the watchdog the same way, instead of raising out of the watch that called this and ending the worker.
         """
+        dynamo = self._dynamo
+        assert dynamo is not None
         try:
             if card is not None:
                 await dynamo.register(card)
@@ -637,106 +416,7 @@ class Worker:
             )
         return f"discovery registration lost and not restored ({problem})"
 
-    async def _engine_going_away(self, client: EngineClient, dynamo: DynamoWorker) -> None:
-        """The engine sent GOAWAY: it is stopping (TensorRT-LLM: ``server.stop(grace=5)``, open streams may finish).
-
-        Withdraw from routing at once (``degrade``: new requests go elsewhere), let the requests in flight run on the
-        draining connections until they end or the engine closes them (a stream cut at the end of its grace fails
-        with a migratable error), then come back the way a lost engine does: reconnect, rediscover, register.
-        """
-        reason = client.going_away or "GOAWAY"
-        life = self.lifecycle
-        if life.state == "serving":
-            life.fire("degrade", reason=f"the engine is going away ({reason})")
-            self.requests.attach(None)
-            await _best_effort("withdrawal from routing", dynamo.withdraw(), self.config.grpc_rpc_timeout_s)
-            metrics.HEALTH_TRANSITIONS.labels(change="degraded").inc()
-        log.info(
-            "engine going away: %d request(s) in flight continue until they end or the engine closes its connections",
-            self.requests.in_flight,
-        )
-        # Bounded like our own drain: an engine that keeps a GOAWAY'd connection open forever must not pin us here.
-        await client.wait_drained(timeout_s=self.config.drain_timeout_s)
-        if life.state == "degraded":
-            await self._engine_lost(client, dynamo, f"the engine went away ({reason})")
-
-    async def _watch_identity(self, client: EngineClient, dynamo: DynamoWorker) -> None:
-        """A new engine identity runs the rediscovery of a lost engine, even when the restart was too quick for the
-        health watch: the load poller reports a new ``instance_id``, or a request lost its connection and the engine
-        that answers now reports something else (instance, capabilities, limits, model, role, schema). Changed
-        capabilities and limits are registered again (model card) before requests are admitted again."""
-        while True:
-            changed = self._identity.changed
-            lost = self.requests.connection_lost
-            await _first_of(changed, lost)
-            if changed.is_set():
-                seen = self._identity.seen
-                reason = f"engine restarted: instance {self._identity.expected!r} is now {seen!r}"
-            else:
-                self.requests.connection_lost = trio.Event()
-                found = await self._engine_changed(client)
-                if found is None:
-                    continue
-                reason = f"engine changed after a lost connection: {found}"
-            if self.lifecycle.state not in ("serving", "degraded"):
-                self._identity.expect(self._identity.expected)  # reconnecting already: it rediscovers anyway
-                continue
-            log.warning("%s; rediscovering it", reason)
-            await self._engine_lost(client, dynamo, reason, claimed_change=True)
-
-    async def _engine_changed(self, client: EngineClient) -> str | None:
-        """What differs in the engine that answers now from the one discovered (None: nothing, or no answer yet --
-        the health watch then deals with an engine that is gone)."""
-        old = self._discovery
-        if old is None:
-            return None
-        try:
-            with trio.fail_after(self.config.grpc_rpc_timeout_s):
-                new = await discover(client, self.config)
-        except (EngineRpcError, StartupRefused, SchemaIncompatible, trio.TooSlowError) as exc:
-            # A refusal is for the rediscovery to report (it fails the worker); no answer is the health watch's.
-            return None if isinstance(exc, EngineRpcError | trio.TooSlowError) else str(exc)
-        return ", ".join(_differences(old, new)) or None
-
-    async def _engine_stalled(self, reason: str) -> None:
-        """``RequestServer.on_stall``: the engine stopped producing (an inactivity timeout with nothing received by
-        any request). Withdraw from routing before that request's error reaches the frontend, whose migration must
-        land on another worker (with one worker the client gets a 503 after one timeout, not four). A canary
-        generation brings the worker back (:meth:`_watch_stall`)."""
-        if self.lifecycle.state == "serving" and self._dynamo is not None:
-            self._stalled = reason
-            self._stall_withdrawn = trio.Event()
-            self.lifecycle.fire("degrade", reason=reason)
-            self.requests.attach(None)
-            metrics.HEALTH_TRANSITIONS.labels(change="degraded").inc()
-            self._stall_noticed.set()
-            await _best_effort("withdrawal from routing", self._dynamo.withdraw(), self.config.grpc_rpc_timeout_s)
-            self._stall_withdrawn.set()
-        elif self._stalled is not None:
-            await self._stall_withdrawn.wait()  # another request is withdrawing the worker: this error waits too
-
-    async def _watch_stall(self, client: EngineClient, dynamo: DynamoWorker) -> None:
-        """While withdrawn for a stall: a one-token canary generation every health poll interval; the first that the
-        engine answers to its end restores the worker."""
-        probes = 0
-        while True:
-            await self._stall_noticed.wait()
-            self._stall_noticed = trio.Event()
-            while self._stalled is not None and self.lifecycle.state == "degraded" and self._discovery is not None:
-                await trio.sleep(self.config.health_poll_interval_s)
-                probes += 1
-                failure = await probe_generation(
-                    self._serving(client, self._discovery),
-                    f"openengine-sidecar-canary-{os.getpid()}-{probes}",
-                    self.config.request_inactivity_timeout_s,
-                )
-                if failure is not None:
-                    log.warning("canary generation failed (%s): still withdrawn", failure)
-                    continue
-                if self._stalled is not None and self.lifecycle.state == "degraded":
-                    log.info("canary generation answered: the engine produces again")
-                    self._stalled = None
-                    await self._recover(client, dynamo)
+    # ------------------------------------------------------------------ supervision
 
     async def _watch_registration(self, dynamo: DynamoWorker) -> None:
         """File discovery never restores a lost entry by itself: every check puts back each one we published.
@@ -825,7 +505,8 @@ class Worker:
     async def _confirm_quiescence(self, client: EngineClient) -> bool:
         """GetLoad must show nothing of ours left: running 0 (required), queued and KV sessions 0 when reported."""
         wait_s = self.config.abort_timeout_s + 1.0
-        if self._discovery is not None and self._discovery.role == "prefill":
+        discovery = self.watch.discovery if self.watch is not None else None
+        if discovery is not None and discovery.role == "prefill":
             # A prefill engine holds each handoff's KV blocks until a decode engine claims them: give the decode
             # legs already routed the drain budget to do so before calling the engine not quiescent.
             wait_s = max(wait_s, self.config.drain_timeout_s)
@@ -846,23 +527,6 @@ class Worker:
                 log.error("drain could not confirm engine quiescence: %s", last)
                 return False
             await trio.sleep(0.1)
-
-
-def _differences(old: Discovery, new: Discovery) -> list[str]:
-    """What a worker serving ``old`` would have to change for ``new``: instance, role, model, schema, capabilities,
-    limits."""
-    return [
-        what
-        for what, before, after in (
-            ("instance", old.caps.instance_id, new.caps.instance_id),
-            ("role", old.role, new.role),
-            ("model", old.model, new.model),
-            ("schema release", old.server.schema_release, new.server.schema_release),
-            ("capabilities", old.caps, new.caps),
-            ("context length", old.context_length, new.context_length),
-        )
-        if before != after
-    ]
 
 
 def _restored_line(report: RestoreReport) -> str:

@@ -25,11 +25,20 @@
 #                  work; in-flight requests continue (after a GOAWAY, until the engine closes its connections; then
 #                  `engine_lost`).  Also from registering after a reconnect, when the registration cannot be
 #                  published: the watchdog keeps the worker out until it can write every entry.
-# * `recover`:     Health is READY again (after a stall: a canary generation was answered) -> `registering`
-#                  re-registers, then `registered` -> serving.
-# * `engine_lost`: the channel to the engine is gone (restart, crash, network), or another engine answers on it (a
-#                  new instance id, a quick restart).  In-flight requests are failed with a migratable error, the
-#                  registration is withdrawn, the worker reconnects with backoff; on `reconnected` it goes back
+# * `stall`:       serving, but the engine stopped answering: Health polls time out while no stream delivers
+#                  anything (a stopped process, a GC pause, a wedged host).  The worker withdraws its instance as for
+#                  `degrade`, but the engine may resume: every stream in flight -- and a request that still arrives,
+#                  routed before the withdrawal landed -- waits for it up to its own inactivity timeout and then fails
+#                  migratably; a stream the engine resumes completes.  Health READY again is `recover`; Health NOT
+#                  READY is `degrade`; a refused or lost connection is `engine_lost`.
+# * `recover`:     Health is READY again (after "engine not producing": a canary generation was answered) ->
+#                  `registering` re-registers, then `registered` -> serving.
+# * `engine_lost`: the channel to the engine is gone (restart, crash, network: a failed poll with nothing accepting
+#                  connections on the engine's port is one at once), or another engine answers on it (a new instance
+#                  id, a quick restart).  In-flight requests are failed with a migratable error (after a restart
+#                  noticed by its instance id, those on the new engine are left alone), the registration is
+#                  withdrawn, the worker probes the engine's port until it accepts and asks it again at once (backed
+#                  off only while the port accepts and the engine does not answer); on `reconnected` it goes back
 #                  through discovering (which refuses a changed role or model), waiting_ready and registering -- the
 #                  same checks as a cold start, and the model card is registered again with what the engine reports
 #                  (removed and published again when it changed: Dynamo refuses to rewrite a card in place).  A claim
@@ -77,6 +86,7 @@ WorkerState = Literal[
     "registering",
     "serving",
     "degraded",
+    "stalled",
     "reconnecting",
     "draining",
     "stopped",
@@ -89,6 +99,7 @@ WorkerEvent = Literal[
     "ready",
     "registered",
     "degrade",
+    "stall",
     "recover",
     "engine_lost",
     "reconnected",
@@ -106,6 +117,7 @@ STATES: tuple[WorkerState, ...] = (
     "registering",
     "serving",
     "degraded",
+    "stalled",
     "reconnecting",
     "draining",
     "stopped",
@@ -136,15 +148,19 @@ TRANSITIONS: list[TransitionConfigDict] = [
     # not producing, or a discovery entry the registration watchdog cannot write back: withdraw from routing, keep
     # in-flight work (the Rust sidecar exits here).  From registering: the engine is back after a loss but its
     # registration cannot be published (the watchdog holds the worker out): not routable, so not serving.
-    {"trigger": "degrade", "source": ["serving", "registering"], "dest": "degraded"},
+    # From stalled: the engine answers again but not READY, or says it is going away.
+    {"trigger": "degrade", "source": ["serving", "registering", "stalled"], "dest": "degraded"},
+    # Health polls time out while no stream delivers anything: withdraw from routing, keep every stream (and admit
+    # a request still routed here) until its own inactivity timeout -- the engine may resume.
+    {"trigger": "stall", "source": "serving", "dest": "stalled"},
     # Health READY again: re-register (through `registering`, so "serving" always means "registered").
-    {"trigger": "recover", "source": "degraded", "dest": "registering"},
+    {"trigger": "recover", "source": ["degraded", "stalled"], "dest": "registering"},
     # The engine went away.  Allowed once connected: a restart can happen in any later phase, and reconnecting
     # re-runs discovery, so a half-done phase is simply redone.  Before the first `registered` the worker code may
     # prefer `fail` (start-up refusal); the table allows both.
     {
         "trigger": "engine_lost",
-        "source": ["discovering", "waiting_ready", "registering", "serving", "degraded"],
+        "source": ["discovering", "waiting_ready", "registering", "serving", "degraded", "stalled"],
         "dest": "reconnecting",
     },
     # Channel back: rediscover, because a restarted engine may have changed role or model (refused there -> fail).
@@ -219,11 +235,26 @@ STATE_DOCS: dict[WorkerState, StateDoc] = {
         "(permissions, something else holding it); the watchdog restores it at its next check and the worker "
         "serves again, or exits 1 after 12 failed checks.",
     ),
+    "stalled": StateDoc(
+        meaning="The engine stopped answering: Health polls time out and no stream delivers anything (a stopped or "
+        "paused process, a long pause, an overloaded host). The endpoint instance is withdrawn so no new requests are "
+        "routed here; every request in flight, and one that still arrives (routed before the withdrawal landed), "
+        "waits for the engine up to its --request-inactivity-timeout-secs and then fails with a migratable error. "
+        "A stream the engine resumes completes.",
+        operator_sees="A warning 'engine not answering' with the number of requests waiting; /health 503; traffic "
+        "moves to other workers, or new requests get 503 if there are none; requests that wait end at their "
+        "inactivity timeout (migrated with --migration-limit).",
+        action="Check the engine process (stopped, swapping, a long pause, its host). The worker serves again by "
+        "itself as soon as the engine's Health answers READY; if its connection drops instead, the worker "
+        "reconnects.",
+    ),
     "reconnecting": StateDoc(
         meaning="The connection to the engine was lost, or a restarted engine answers (a new instance id); "
-        "registration withdrawn, in-flight requests failed with a migratable error, reconnecting with backoff (cut "
-        "short as soon as the load poller gets an answer).",
-        operator_sees="An error naming the lost connection, then throttled retry logs; /health 503; clients of "
+        "registration withdrawn, in-flight requests failed with a migratable error; a connect to the engine's port "
+        "every 25 ms while it refuses, GetServerInfo as soon as it accepts (backed off, 1 s doubling, while the port "
+        "accepts and the engine does not answer yet).",
+        operator_sees="A line naming the lost connection, 'engine not accepting connections … probing every 25 ms', "
+        "then 'engine back: serving again N ms after it accepted a connection'; /health 503 meanwhile; clients of "
         "in-flight requests migrate (if the frontend's migration limit allows) or get an error.",
         action="Check whether the engine restarted or crashed. The worker rediscovers and re-registers by itself "
         "when the engine is back (a model card with other limits or capabilities replaces the old one whole); it "

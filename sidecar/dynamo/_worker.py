@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -63,6 +64,11 @@ SERVE_READY_TIMEOUT: Final = 30.0
 #: Bound on finding the discovery files a publisher or control endpoint wrote (observed: a few ms).
 TRACK_TIMEOUT: Final = 5.0
 _POLL: Final = 0.01
+#: How long a replaced model card's key stays empty before the new card is written under it (see ``register``):
+#: every frontend's file watcher must see the removal while the key is absent (observed: within 0.4-3 ms).
+CARD_ABSENCE_S: Final = 0.25
+#: Publications of a replaced card before the worker gives up confirming it (then the registration watchdog has it).
+_CARD_TRIES: Final = 3
 
 
 def rl_answer(request: object, routes: list[str], system_url: str) -> dict[str, Any]:
@@ -213,6 +219,13 @@ class DynamoWorker:
         limits or capabilities) is removed first, LoRA cards with it, and published again: the frontend drops the
         model and adds it back with the new card, as it would for a fresh worker. Once the old card is gone the new
         one is what this worker publishes, even when writing it fails: the registration watchdog writes it then.
+
+        The key stays empty for :data:`CARD_ABSENCE_S` in between. Dynamo's file store reads a removal when its
+        watcher gets to it and drops it when the key exists again by then ("Suppressing stale FileStore remove event
+        for a recreated key"); the new card then reached the frontend as a change of the old one, which it refused
+        ("Rejecting immutable discovery model-card mutation"), keeping the old card until the next removal -- 3 of 53
+        restarts against TensorRT-LLM's server, when the card was written back a millisecond after its removal. With
+        file discovery the card is then read back from the store and published again until it is the new one.
         """
         old = self._registration
         if old is None or old == reg:
@@ -223,14 +236,58 @@ class DynamoWorker:
                 "dynamo: the model card changed (%s): publishing it again in place of the old one",
                 _card_changes(old, reg),
             )
-            for lora_name in sorted(self._loras):
-                await self._edge.run(b.unregister_lora, self._endpoint, lora_name)
-            await self._edge.run(b.unregister, self._endpoint)
             self._registration = reg
-            await self._edge.run(b.register, self._endpoint, reg)
-            for lora_name in sorted(self._loras):
-                await self._edge.run(b.register, self._endpoint, reg, lora_name)
+            for attempt in range(1, _CARD_TRIES + 1):
+                await self._replace_card()
+                found = await self._card_on_file(reg)
+                if found is None:
+                    break
+                logger.warning(
+                    "dynamo: the store holds another model card than the one just published (%s; attempt %d of %d)",
+                    found,
+                    attempt,
+                    _CARD_TRIES,
+                )
+            else:
+                raise RuntimeError(f"the model card on file is not the one published ({found})")
         await self._hold()
+
+    async def _replace_card(self) -> None:
+        """Remove the base card (LoRA cards first), keep its key empty, publish the current one (LoRA cards after)."""
+        reg = self._registration
+        assert reg is not None
+        for lora_name in sorted(self._loras):
+            await self._edge.run(b.unregister_lora, self._endpoint, lora_name)
+        await self._edge.run(b.unregister, self._endpoint)
+        await trio.sleep(CARD_ABSENCE_S)
+        await self._edge.run(b.register, self._endpoint, reg)
+        for lora_name in sorted(self._loras):
+            await self._edge.run(b.register, self._endpoint, reg, lora_name)
+
+    async def _card_on_file(self, reg: Registration) -> str | None:
+        """File discovery: what differs between the card the store holds and ``reg`` (None: nothing, or nothing to
+        read: other backends are not read back)."""
+        if self._root is None:
+            return None
+        _, path = file_discovery_keys(self._settings, self._instance_id, self._root)
+        try:
+            stored = await trio.to_thread.run_sync(path.read_bytes)
+            card = json.loads(stored).get("card_json") or {}
+        except (OSError, ValueError) as exc:
+            return f"unreadable: {exc}"
+        runtime = card.get("runtime_config") or {}
+        expected = {
+            "context_length": reg.context_length,
+            "max_num_seqs": reg.max_num_seqs,
+            "max_num_batched_tokens": reg.max_num_batched_tokens,
+            "total_kv_blocks": reg.total_kv_blocks,
+        }
+        wrong = [
+            f"{name} {runtime.get(name)!r}, not {value!r}"
+            for name, value in expected.items()
+            if value is not None and runtime.get(name) != value
+        ]
+        return ", ".join(wrong) or None
 
     async def register_lora(self, lora_name: str) -> None:
         """Publish a LoRA model card for ``lora_name`` on top of the base card (which must be registered)."""

@@ -104,6 +104,7 @@ async def poll_load(
     while True:
         tick = trio.current_time()
         reason = ""
+        level = logging.WARNING
         try:
             load = await client.get_load(True, timeout_s=config.load_timeout_s)
             if identity is not None:
@@ -117,6 +118,10 @@ async def poll_load(
                     task_status.started()
                 return
             reason, message = "rpc_failed", str(exc)
+            if exc.code is GrpcCode.UNAVAILABLE:
+                # An engine that is not there is the engine watch's to report (the worker leaves serving for
+                # reconnecting, one line); a warning here for every outage would say it twice, above INFO.
+                level = logging.INFO
         except InvalidLoad as exc:
             reason, message = exc.reason, str(exc)
             if reason == "no_kv_usage" and in_flight is not None and block_size and len(ranks) == 1:
@@ -149,7 +154,7 @@ async def poll_load(
             m.LOAD_FRESH.set(0)
             now = trio.current_time()
             if reason != last_reason or now - last_warned >= _REPEAT_WARNING_S:
-                log.warning("not publishing load to Dynamo's router (%s): %s", reason, message)
+                log.log(level, "not publishing load to Dynamo's router (%s): %s", reason, message)
                 last_warned = now
             fresh = False
         last_reason = reason

@@ -52,7 +52,7 @@ EXIT_OK: Final = 0
 EXIT_NOT_SERVING: Final = 1
 EXIT_UNREACHABLE: Final = 2
 
-_BAD_STATES: Final = frozenset({"failed", "degraded", "reconnecting"})
+_BAD_STATES: Final = frozenset({"failed", "degraded", "stalled", "reconnecting"})
 
 
 def _default_url() -> str | None:

@@ -209,7 +209,7 @@ border-radius:8px;padding:8px;margin:0}
 _SCRIPT: Final = r"""
 "use strict";
 const MODEL = JSON.parse(document.getElementById("machines").textContent);
-const BAD = new Set(["failed", "degraded", "reconnecting"]);
+const BAD = new Set(["failed", "degraded", "stalled", "reconnecting"]);
 const conn = document.getElementById("conn");
 const log = document.getElementById("events");
 let lastSeq = 0, retry = 500;

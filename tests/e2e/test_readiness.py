@@ -71,12 +71,18 @@ async def test_health_is_503_while_connecting_and_reconnecting_and_200_while_ser
         with trio.fail_after(180):
             async with start_sidecar(dynamo_env, address, *WATCH, ready=None) as worker:
                 base = worker.system_url
-                # Start-up, no engine: the port answers at once, not ready, with the state and the reason.
+                # Start-up, no engine: the port answers at once, not ready, with the state and the reason; once the
+                # first attempt has failed, its error says what is happening now.
                 _, body = await wait_status(f"{base}/health", 503, timeout=30)
                 assert body["status"] == "notready"
                 assert body["state"] == "connecting"
                 assert address in body["reason"]
-                assert "not reachable" in body["detail"]  # what is happening now: the last attempt's error
+
+                async def explained() -> bool:
+                    code, body = await get(f"{base}/health")
+                    return code == 503 and "not reachable" in body["detail"]
+
+                await wait_until(explained, timeout=10, interval=0.05, what="the last attempt's error on /health")
                 for path in ("/live", "/engine/live"):
                     code, live = await get(f"{base}{path}")
                     assert (code, live["status"], live["ready"]) == (200, "live", False), path

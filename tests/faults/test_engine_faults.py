@@ -202,11 +202,11 @@ async def test_an_unhealthy_engine_degrades_the_worker_and_recovery_reregisters_
             await wait_until(lambda: _answers(frontend.url), timeout=10, interval=0.1)
 
 
-async def test_an_engine_whose_health_lags_while_tokens_flow_is_busy_not_lost(
+async def test_an_engine_whose_health_lags_while_tokens_flow_is_busy_not_stalled(
     dynamo_env: DynamoEnv, frontend: Frontend
 ) -> None:
     """Health timing out while the engine's streams deliver tokens means busy: the in-flight request completes and
-    the worker keeps serving. The same silence with nothing flowing is a lost engine (the worker reconnects), which
+    the worker keeps serving. The same silence with nothing flowing is a stalled engine (the worker withdraws), which
     shows the difference is the token flow, not a laxer watch."""
     lagging_watch = (
         "--health-poll-interval-secs", "0.2", "--health-failure-threshold", "4", "--health-timeout-secs", "0.4",
@@ -221,14 +221,14 @@ async def test_an_engine_whose_health_lags_while_tokens_flow_is_busy_not_lost(
         ):
             await wait_routable(frontend.url, workers=1)
             start = len(worker.process.log())
-            assert "serving -> reconnecting" not in worker.process.log(), "idle loss came before the stream started"
+            assert "serving -> stalled" not in worker.process.log(), "the idle stall came before the stream started"
             outcome = await stream_completion(frontend.url, "The river", max_tokens=300)
             assert outcome.succeeded, outcome
             assert outcome.completion_tokens == 300
             during = worker.process.log()[start:]
-            assert "busy, not lost" in during
-            assert "serving -> reconnecting" not in during
-            await worker.process.wait_for_log(r"serving -> reconnecting", timeout=15, start=len(worker.process.log()))
+            assert "busy, not stalled" in during
+            assert "serving -> stalled" not in during
+            await worker.process.wait_for_log(r"serving -> stalled", timeout=15, start=len(worker.process.log()))
 
 
 async def _running_at_least(count: int, *addresses: str) -> bool:

@@ -44,6 +44,7 @@ from sidecar.cli import parse_config
 from sidecar.dynamo import RequestContext
 from sidecar.dynamo._entries import Entry, RestoreReport
 from sidecar.engine import PINNED_SCHEMA_RELEASE
+from sidecar.enginewatch import EngineWatch
 from sidecar.errors import EngineRpcError, GrpcCode, WorkerDraining
 from sidecar.kv import RoutingConfig
 from sidecar.kv._load import poll_load
@@ -169,6 +170,19 @@ class Engine(LoopSideGenerate):
         yield stream()
 
 
+class PortOf:
+    """The in-memory engine's port, as the way back's connect probe sees it: accepting while the engine is up."""
+
+    endpoint = "the in-memory engine"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def accepts(self, timeout_s: float) -> bool | None:
+        await trio.lowlevel.checkpoint()
+        return self.engine.up
+
+
 class Dynamo:
     """The worker's Dynamo side: what was withdrawn, restored and registered, when; and discovery entries that cannot
     be written (``unwritable``: ``"instance"``, ``"card"`` or another entry's name), as file discovery refuses a
@@ -263,24 +277,37 @@ async def serving_worker(engine: Engine, dynamo: Dynamo, *args: str) -> Worker:
     """A worker as ``Worker._run`` leaves it once registered (discovered, serving, its Dynamo side attached)."""
     worker = Worker(config(*args))
     life = worker.lifecycle
+    worker._client = engine  # type: ignore[assignment]
+    worker._dynamo = dynamo  # type: ignore[assignment]
+    watch = worker.watch = EngineWatch(
+        worker.config,
+        life,
+        worker.requests,
+        engine,  # type: ignore[arg-type]
+        worker,
+        worker._fatal,
+        probe=PortOf(engine),
+    )
     life.fire("connect")
     life.fire("connected")
-    discovery = await worker._discover_until_ready(engine, trio.current_time() + 30)  # type: ignore[arg-type]
-    worker._discovery = discovery
-    worker._identity.expect(discovery.caps.instance_id)
-    worker._dynamo = dynamo  # type: ignore[assignment]
-    worker.requests.attach(worker._serving(engine, discovery))  # type: ignore[arg-type]
+    discovery = await watch.discover_until_ready(trio.current_time() + 30)
+    watch.adopt(discovery)
+    worker.requests.attach(worker.serving_context(discovery))
     life.fire("registered")
     return worker
 
 
+def watch_of(worker: Worker) -> EngineWatch:
+    assert worker.watch is not None
+    return worker.watch
+
+
 async def run_watchers(nursery: trio.Nursery, worker: Worker, engine: Any, dynamo: Any) -> None:
     """What ``Worker._run`` starts next to serving: the load poller (with the worker's identity) and the watches."""
-    poller = partial(poll_load, identity=worker._identity)
+    watch = watch_of(worker)
+    poller = partial(poll_load, identity=watch.identity)
     await nursery.start(poller, engine, Sink(), (0,), RoutingConfig(load_poll_interval_s=1.0))
-    nursery.start_soon(worker._watch_engine, engine, dynamo)
-    nursery.start_soon(worker._watch_identity, engine, dynamo)
-    nursery.start_soon(worker._watch_stall, engine, dynamo)
+    nursery.start_soon(watch.run)
 
 
 async def serving_again(worker: Worker, within: float = 60.0) -> float:
@@ -343,8 +370,8 @@ async def test_without_the_load_poller_a_5s_outage_costs_the_backoff_not_its_cap
     engine, dynamo = Engine(), Dynamo()
     worker = await serving_worker(engine, dynamo, "--reconnect-backoff-max-secs", "30")
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(worker._watch_engine, engine, dynamo)  # type: ignore[arg-type]
-        nursery.start_soon(worker._watch_identity, engine, dynamo)  # type: ignore[arg-type]
+        nursery.start_soon(watch_of(worker).watch_health)
+        nursery.start_soon(watch_of(worker).watch_identity)
         engine.up = False
         await wait_state(worker, "reconnecting", 10)
         await trio.sleep(5.0)
@@ -490,7 +517,7 @@ async def test_a_lost_connection_to_an_engine_that_answers_as_another_instance_i
     engine, dynamo = Engine(), Dynamo()
     worker = await serving_worker(engine, dynamo)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(worker._watch_identity, engine, dynamo)  # type: ignore[arg-type]
+        nursery.start_soon(watch_of(worker).watch_identity)
         engine.restart(instance="engine-2", context=512)
         worker.requests.connection_lost.set()  # what a request's UNAVAILABLE does
         with trio.fail_after(10):
@@ -504,7 +531,7 @@ async def test_a_lost_connection_to_the_same_engine_changes_nothing(autojump_clo
     engine, dynamo = Engine(), Dynamo()
     worker = await serving_worker(engine, dynamo)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(worker._watch_identity, engine, dynamo)  # type: ignore[arg-type]
+        nursery.start_soon(watch_of(worker).watch_identity)
         worker.requests.connection_lost.set()
         await trio.sleep(5)
         nursery.cancel_scope.cancel()
@@ -592,8 +619,9 @@ async def test_an_engine_lost_while_the_registration_watchdog_holds_the_worker_o
         assert dynamo.is_routable()
         assert (await complete(worker, body(), "after"))[-1]["finish_reason"] == "length"
         nursery.cancel_scope.cancel()
-    assert worker._discovery is not None
-    assert worker._discovery.caps.instance_id == "engine-2"
+    discovery = watch_of(worker).discovery
+    assert discovery is not None
+    assert discovery.caps.instance_id == "engine-2"
     assert [d for _, e, d in transitions if e in ("registered", "degrade")][-1] == "serving"
 
 
