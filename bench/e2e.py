@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -60,6 +61,7 @@ from tests.helpers.processes import (
     start_process,
     wait_for_model,
 )
+from tests.helpers.stack import start_dynamo_sidecar
 
 MiB: Final = 2**20
 ROOT: Final = Path(__file__).resolve().parent.parent
@@ -100,6 +102,11 @@ PINNING: Pinning | None = None
 #: measured in the same rounds as B (A B R C), for a before/after in one run.
 REF_TREE: tuple[str, Path] | None = None
 MODEL_REF: Final = "bench-b-ref"
+#: Path ``D``: Dynamo's own TensorRT-LLM sidecar (``python -m dynamo.trtllm.sidecar``), named after its
+#: ``--model-path``; its mock serves the same name. ``DYNAMO_MISSING`` says why it cannot run here (``None``: it can;
+#: ``--no-dynamo-sidecar`` sets a reason too).
+MODEL_D: Final = "bench-d"
+DYNAMO_MISSING: str | None = None
 #: A fresh worker A for the memory rows' cold baseline.
 MODEL_A_COLD: Final = "bench-a-cold"
 
@@ -308,10 +315,15 @@ class Stack:
     sidecar_ref: Process | None = None
     mock_ref: Process | None = None
     mock_ref_target: str = ""
+    #: Dynamo's own sidecar (path ``D``), served as ``bench-d``, its mock and its RSS.
+    sidecar_d: Process | None = None
+    mock_d: Process | None = None
+    mock_d_target: str = ""
+    sampler_d: Sampler | None = None
 
     def pids(self) -> dict[str, int]:
         pids = {"frontend": self.frontend.process.pid, "worker_a": self.worker_a.pid}
-        for name in ("sidecar", "sidecar_ref", "mock", "mock_ref"):
+        for name in ("sidecar", "sidecar_ref", "sidecar_d", "mock", "mock_ref", "mock_d"):
             process = getattr(self, name)
             if process is not None:
                 pids[name] = process.pid
@@ -333,12 +345,12 @@ def log(*parts: object) -> None:
 
 
 async def start_mock(
-    stack: Stack, stack_exit: AsyncExitStack, interval: int, pace_ms: float = 0.0, ref: bool = False
+    stack: Stack, stack_exit: AsyncExitStack, interval: int, pace_ms: float = 0.0, path: str = "B"
 ) -> None:
-    """The mock engine (``pace_ms`` 0: no model time), pinned to the engine's CPU under ``--pin``. With ``ref``: a
-    second one, identical but for its served name, for path R's sidecar -- two sidecars on one engine would both
-    register its name as an alias, and Dynamo refuses the second."""
-    port_file = stack.work / f"mock-{interval}-{time.monotonic_ns()}.port"
+    """The mock engine of ``path`` (``pace_ms`` 0: no model time), pinned to the engine's CPU under ``--pin``. Paths
+    R and D get one each, identical but for its served name: two sidecars on one engine would both register its name
+    as an alias, which Dynamo refuses, and Dynamo's sidecar sends its own model name (its ``--model-path``)."""
+    port_file = stack.work / f"mock-{path}-{interval}-{time.monotonic_ns()}.port"
     timing = ["--speedup", "0"] if pace_ms <= 0 else ["--speedup", "1", "--decode-ms-per-token", f"{pace_ms:g}"]
     argv = [
         sys.executable, "-m", "sidecar.testing.mock", "--profile", "trtllm", "--port", "0",
@@ -347,28 +359,33 @@ async def start_mock(
         "--total-kv-blocks", str(TOTAL_KV_BLOCKS), "--max-running-requests", str(MAX_RUNNING),
         "--max-batched-tokens", str(MAX_BATCHED_TOKENS), "--log-level", "WARNING",
     ]  # fmt: skip
-    if ref:
-        argv += ["--served-model-name", "tiny-oe-ref"]
+    served = {"B": None, "R": "tiny-oe-ref", "D": MODEL_D}[path]
+    if served is not None:
+        argv += ["--served-model-name", served]
 
     async def ready(_: Process) -> bool:
         return port_file.exists()
 
+    name = {"B": "mock", "R": "mock-ref", "D": "mock-dynamo"}[path]
     mock = await stack_exit.enter_async_context(
-        start_process(argv, stack.denv.env, log_path=stack.denv.log_path("mock-ref" if ref else "mock"), ready=ready)
+        start_process(argv, stack.denv.env, log_path=stack.denv.log_path(name), ready=ready)
     )
     if PINNING is not None:
         pin_process(mock.pid, PINNING.engine)
-    if ref:
-        stack.mock_ref, stack.mock_ref_target = mock, port_file.read_text().strip()
+    target = port_file.read_text().strip()
+    if path == "R":
+        stack.mock_ref, stack.mock_ref_target = mock, target
+    elif path == "D":
+        stack.mock_d, stack.mock_d_target = mock, target
     else:
-        stack.mock, stack.mock_target = mock, port_file.read_text().strip()
+        stack.mock, stack.mock_target = mock, target
 
 
 async def start_sidecar(
     stack: Stack, stack_exit: AsyncExitStack, nursery: trio.Nursery, interval: int, pace_ms: float, ref: bool
 ) -> None:
-    """The sidecar under test on ``stack.mock`` (and, with ``ref`` and ``--sidecar-tree``, the reference one beside
-    it, on a mock of its own started here with the same timing)."""
+    """The sidecar under test on ``stack.mock``; Dynamo's own sidecar (path D, unless it is missing) on a mock of its
+    own started here with the same timing; with ``ref`` and ``--sidecar-tree``, the reference one (path R) too."""
     argv = [
         sys.executable, "-m", "sidecar", "--grpc-endpoint", stack.mock_target, "--model-path", str(MODEL_DIR),
         "--served-model-name", MODEL_B, "--log-level", "warning",
@@ -380,9 +397,21 @@ async def start_sidecar(
     await wait_for_model(stack.frontend.url, MODEL_B, timeout=60)
     stack.sampler = Sampler(stack.sidecar.pid)
     nursery.start_soon(stack.sampler.run)
+    if DYNAMO_MISSING is None:
+        await start_mock(stack, stack_exit, interval, pace_ms, path="D")
+        # Its drain waits a 5 s grace after unregistering, idle or not: the bench stops it between blocks.
+        env = stack.denv.worker_env(DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS="0")
+        worker = await stack_exit.enter_async_context(
+            start_dynamo_sidecar(stack.denv, stack.mock_d_target, "--component", "dynamosidecar", model=MODEL_D,
+                                 env=env)
+        )  # fmt: skip
+        stack.sidecar_d = worker.process
+        await wait_for_model(stack.frontend.url, MODEL_D, timeout=60)
+        stack.sampler_d = Sampler(stack.sidecar_d.pid)
+        nursery.start_soon(stack.sampler_d.run)
     if ref and REF_TREE is not None:
         tree = REF_TREE[1]
-        await start_mock(stack, stack_exit, interval, pace_ms, ref=True)
+        await start_mock(stack, stack_exit, interval, pace_ms, path="R")
         argv = [
             sys.executable, "-m", "sidecar", "--grpc-endpoint", stack.mock_ref_target, "--model-path", str(MODEL_DIR),
             "--served-model-name", MODEL_REF, "--component", "sidecarref", "--log-level", "warning",
@@ -438,6 +467,8 @@ def load_config(
     }
 
 
+#: The process whose CPU is the path's own: worker A, our sidecar, the reference one, Dynamo's.
+OWN_PROCESS: Final = {"A": "worker_a", "B": "sidecar", "R": "sidecar_ref", "D": "sidecar_d"}
 #: What a point keeps of its client's result (the rest of the point is the servers' CPU around it).
 _RESULT_KEYS: Final = (
     "completed", "failed", "lost", "errors", "tokens", "tokens_per_s", "elapsed_s", "ttft_p50_ms", "ttft_p99_ms",
@@ -461,7 +492,7 @@ async def measure(stack: Stack, row: Row, path: str, plan: Plan, table: Path) ->
         }  # fmt: skip
         result = await run_child("bench._e2e_ceiling", config, stack.work, 300)
     else:
-        model = {"A": MODEL_A, "B": MODEL_B, "R": MODEL_REF}[path]
+        model = {"A": MODEL_A, "B": MODEL_B, "R": MODEL_REF, "D": MODEL_D}[path]
         config = load_config(stack.frontend.url, model, table, row.concurrency, requests, max_tokens, plan.seeds)
         if path == "A":
             config["annotations"] = worker_a_annotations(row.interval, row.pace_ms)
@@ -479,11 +510,12 @@ async def measure(stack: Stack, row: Row, path: str, plan: Plan, table: Path) ->
         "cpu_us_per_token": {name: 1e6 * value / tokens for name, value in cpu.items()},
         "client_cpu_us_per_token": 1e6 * result["client_cpu_s"] / tokens,
     }
-    if path == "B" and stack.sampler is not None:
-        point["sidecar_rss_peak_mib"] = stack.sampler.peak(t0, t1) / MiB
+    sampler = {"B": stack.sampler, "D": stack.sampler_d}.get(path)
+    if sampler is not None:
+        point["sidecar_rss_peak_mib"] = sampler.peak(t0, t1) / MiB
     bad = result["failed"] or result["lost"] or result["completed"] != requests
     status = "FAILED " + "; ".join(result["errors"]) if bad else "ok"
-    own = {"A": "worker_a", "B": "sidecar", "R": "sidecar_ref"}.get(path)
+    own = OWN_PROCESS.get(path)
     log(
         f"  {path} {row.label():<28} {result['tokens_per_s']:7.0f} tok/s  {result['tokens_per_event']:5.2f} tok/event"
         f"  gap p50/p99 {result['gap_p50_ms']:6.1f}/{result['gap_p99_ms']:6.1f} ms  TTFT p50 "
@@ -606,6 +638,7 @@ async def memory_test(stack: Stack, plan: Plan, table: Path, nursery: trio.Nurse
     )
     await trio.sleep(plan.settle_s)
     after = process_rss_bytes(pid)
+    dynamo = await dynamo_memory(stack, plan, table) if stack.sidecar_d is not None else None
     warm_a = await baseline_memory(stack, plan, table, nursery, stack.worker_a.pid, MODEL_A, warm=False)
     async with start_worker_a(stack.denv, table, stack.work / "record-cold.json", MODEL_A_COLD, "baselinecold") as cold:
         await wait_for_model(stack.frontend.url, MODEL_A_COLD, timeout=60)
@@ -622,14 +655,44 @@ async def memory_test(stack: Stack, plan: Plan, table: Path, nursery: trio.Nurse
         "per_request_kib": (in_flight - idle_warm) / plan.memory_requests / 1024,
         "baseline_warm": warm_a,
         "baseline_cold": cold_a,
+        "dynamo": dynamo,
     }
+    if dynamo is not None:
+        out["failed"] += dynamo["failed"]
     log(
         f"  memory: sidecar idle {out['idle_rss_mib']:.1f} MiB (after warm-up {out['idle_rss_after_warmup_mib']:.1f}),"
         f" {out['peak_in_flight_seen_by_client']} in flight {out['in_flight_rss_mib']:.1f} MiB "
         f"→ {out['per_request_kib']:.1f} KiB/request; after {out['after_rss_mib']:.1f} MiB; worker A warm "
         f"{warm_a['per_request_kib']:.1f}, cold {cold_a['per_request_kib']:.1f} KiB/request"
+        + (
+            ""
+            if dynamo is None
+            else f"; Dynamo's sidecar idle {dynamo['idle_rss_after_warmup_mib']:.1f} MiB, "
+            f"{dynamo['peak_in_flight_seen_by_client']} in flight {dynamo['in_flight_rss_mib']:.1f} MiB → "
+            f"{dynamo['per_request_kib']:.1f} KiB/request"
+        )
     )
     return out
+
+
+async def dynamo_memory(stack: Stack, plan: Plan, table: Path) -> dict[str, Any]:
+    """Dynamo's own sidecar measured as ours: idle fresh, idle after the same warm-up, ``memory_requests`` in flight
+    at once on its own slow mock."""
+    assert stack.sidecar_d is not None
+    assert stack.sampler_d is not None
+    idle_fresh = process_rss_bytes(stack.sidecar_d.pid)
+    idle_warm, in_flight, result = await hold_many(
+        stack, plan, table, MODEL_D, stack.sampler_d, [], plan.memory_max_tokens, warm=True
+    )
+    return {
+        "peak_in_flight_seen_by_client": result["peak_in_flight"],
+        "failed": result["failed"],
+        "errors": result["errors"],
+        "idle_rss_mib": idle_fresh / MiB,
+        "idle_rss_after_warmup_mib": idle_warm / MiB,
+        "in_flight_rss_mib": in_flight / MiB,
+        "per_request_kib": (in_flight - idle_warm) / plan.memory_requests / 1024,
+    }
 
 
 def start_worker_a(
@@ -655,8 +718,8 @@ async def run(plan: Plan, out: Path, memory_only: bool = False) -> dict[str, Any
     data: dict[str, Any] = {"points": [], "idle_rss_mib": {}, "memory": None}
     points: list[dict[str, Any]] = data["points"]
     idle: dict[str, float] = data["idle_rss_mib"]
-    paths = "AB" + ("R" if REF_TREE is not None else "")
-    models = (MODEL_A, MODEL_B, MODEL_REF) if REF_TREE is not None else (MODEL_A, MODEL_B)
+    paths = "AB" + ("D" if DYNAMO_MISSING is None else "") + ("R" if REF_TREE is not None else "")
+    models = tuple({"A": MODEL_A, "B": MODEL_B, "D": MODEL_D, "R": MODEL_REF}[path] for path in paths)
 
     def save() -> None:
         data["elapsed_s"] = time.monotonic() - started
@@ -763,10 +826,12 @@ def _failed_memory(plan: Plan, error: str) -> dict[str, Any]:
 
 
 def _drop_block(stack: Stack) -> None:
-    if stack.sampler is not None:
-        stack.sampler.scope.cancel()
+    for sampler in (stack.sampler, stack.sampler_d):
+        if sampler is not None:
+            sampler.scope.cancel()
     stack.sidecar = stack.mock = stack.sampler = stack.sidecar_ref = stack.mock_ref = None
-    stack.mock_target = ""
+    stack.sidecar_d = stack.mock_d = stack.sampler_d = None
+    stack.mock_target = stack.mock_d_target = stack.mock_ref_target = ""
 
 
 # ------------------------------------------------------------------------------------------------ reporting
@@ -1117,6 +1182,15 @@ def update_docs(block: str) -> None:
     DOCS.write_text(text)
 
 
+def dynamo_sidecar_missing() -> str | None:
+    """Why ``python -m dynamo.trtllm.sidecar`` cannot run here, in one line (``None``: it can)."""
+    try:
+        found = importlib.util.find_spec("dynamo.trtllm.sidecar") is not None
+    except ImportError as exc:
+        return f"dynamo.trtllm.sidecar cannot be imported ({exc})"
+    return None if found else "dynamo.trtllm.sidecar is not installed"
+
+
 def _git(*args: str) -> str:
     done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
     return done.stdout.strip() if done.returncode == 0 else "?"
@@ -1154,6 +1228,11 @@ def main(argv: list[str] | None = None) -> int:
         "rounds as B: the before/after of the sidecar in one run",
     )
     parser.add_argument(
+        "--no-dynamo-sidecar",
+        action="store_true",
+        help="leave out path D (Dynamo's own sidecar): every row runs without it, its goal lines say not measured",
+    )
+    parser.add_argument(
         "--render", type=Path, metavar="E2E_JSON", help="print the results block of a saved e2e.json (no run)"
     )
     args = parser.parse_args(argv)
@@ -1161,8 +1240,11 @@ def main(argv: list[str] | None = None) -> int:
         print(render(args.render))
         return 0
     plan = QUICK if args.quick else FULL
-    global PINNING, REF_TREE
+    global PINNING, REF_TREE, DYNAMO_MISSING
     REF_TREE = args.sidecar_tree
+    DYNAMO_MISSING = "left out (--no-dynamo-sidecar)" if args.no_dynamo_sidecar else dynamo_sidecar_missing()
+    if DYNAMO_MISSING is not None:
+        log(f"path D (Dynamo's own sidecar) not measured: {DYNAMO_MISSING}; the rows run without it")
     if args.pin:
         PINNING = Pinning.split()
         os.sched_setaffinity(0, PINNING.work)  # everything this process starts inherits it
@@ -1182,6 +1264,7 @@ def main(argv: list[str] | None = None) -> int:
         data["pinning"] = PINNING.describe()
     if REF_TREE is not None:
         data["ref_tree"] = REF_TREE[0]
+    data["dynamo_missing"] = DYNAMO_MISSING
     data["plan"] = dataclasses.asdict(plan)
     data["date"] = time.strftime("%Y-%m-%d %H:%M")
     data["commit"] = _git("rev-parse", "--short", "HEAD")
