@@ -13,6 +13,11 @@ grpclib's does not.
   NO_ERROR``; its handler never runs. A stream above the second GOAWAY's last stream id is refused
   (``RST_STREAM REFUSED_STREAM``). :meth:`GrpcCoreServer.cut` ends what is left as grpc-core does when the grace runs
   out: trailers ``grpc-status 14`` ("Cancelling all calls"), then ``RST_STREAM NO_ERROR``.
+* **Writes held for a step** (``hold_writes=True``): grpc-core writes what its streams queued in one pass, one write
+  per connection, not one per message. :meth:`GrpcCoreServer.hold_writes` makes every connection keep what it
+  writes; :meth:`GrpcCoreServer.release_writes` writes what each connection kept in one go (the mock's engine-wide
+  decode step: a step's messages for all streams of one connection leave together). Without it every write goes
+  straight to the transport, as grpclib's.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from grpclib.protocol import H2Protocol
 from grpclib.server import Server
@@ -58,6 +63,66 @@ _CUT_TRAILERS: Final = [("grpc-status", "14"), ("grpc-message", "Cancelling all 
 _TRAILERS_ONLY: Final = [(":status", "200"), ("content-type", "application/grpc")]
 
 
+class _WriteHold:
+    """Whether the server's connections keep their writes now, and which of them kept some."""
+
+    __slots__ = ("held", "pending")
+
+    def __init__(self) -> None:
+        self.held = False
+        self.pending: dict[_HeldTransport, None] = {}
+
+    def release(self) -> None:
+        self.held = False
+        pending = list(self.pending)
+        self.pending.clear()
+        for transport in pending:
+            transport.flush()
+
+
+class _HeldTransport:
+    """A connection's transport as grpclib writes to it: while ``hold`` is held, writes are kept (in order) and
+    written as one by :meth:`flush`; otherwise -- and for anything that closes the connection -- they go through."""
+
+    __slots__ = ("_buffer", "_hold", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, hold: _WriteHold) -> None:
+        self._transport = transport
+        self._hold = hold
+        self._buffer: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if self._hold.held and not self._transport.is_closing():
+            if not self._buffer:
+                self._hold.pending[self] = None
+            self._buffer.append(bytes(data))
+            return
+        self.flush()
+        self._transport.write(data)
+
+    def writelines(self, lines: Any) -> None:
+        for data in lines:
+            self.write(data)
+
+    def flush(self) -> None:
+        if self._buffer:
+            data = b"".join(self._buffer)
+            self._buffer.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._buffer.clear()
+        self._transport.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class _ServerProtocol(H2Protocol):
     """grpclib's server protocol plus the stream limit and the graceful stop of the module docstring."""
 
@@ -72,7 +137,11 @@ class _ServerProtocol(H2Protocol):
         self._second_goaway: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: Any) -> None:
-        super().connection_made(transport)
+        hold = self._owner.write_hold
+        # grpclib's connection and streams write through what they are given here (duck-typed, not a subclass).
+        super().connection_made(
+            transport if hold is None else cast("asyncio.Transport", _HeldTransport(transport, hold))
+        )
         limit = self._owner.max_concurrent_streams
         self.connection._connection.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: limit})
         self.connection.flush()
@@ -179,10 +248,22 @@ class _ServerProtocol(H2Protocol):
 class GrpcCoreServer(Server):
     """A grpclib ``Server`` with grpcio's stream limit (none by default) and grpc-core's graceful stop."""
 
-    def __init__(self, *args: Any, max_concurrent_streams: int = 0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_concurrent_streams: int = 0, hold_writes: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.max_concurrent_streams = max_concurrent_streams or NO_STREAM_LIMIT
         self.connections: set[_ServerProtocol] = set()
+        #: ``hold_writes``: connections made from now on keep their writes while held (module docstring).
+        self.write_hold = _WriteHold() if hold_writes else None
+
+    def hold_writes(self) -> None:
+        """Keep every connection's writes until :meth:`release_writes` (only with ``hold_writes=True``)."""
+        if self.write_hold is not None:
+            self.write_hold.held = True
+
+    def release_writes(self) -> None:
+        """Write what each connection kept since :meth:`hold_writes`, one write per connection."""
+        if self.write_hold is not None:
+            self.write_hold.release()
 
     def _protocol_factory(self) -> H2Protocol:
         return _ServerProtocol(super()._protocol_factory(), self)

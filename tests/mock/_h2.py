@@ -41,6 +41,8 @@ class Received:
 
     at: float
     frame: Frame
+    #: Which ``recv`` brought the frame's last byte (1 = the first): frames of one read arrived together.
+    read: int = 0
 
 
 class RawH2:
@@ -53,6 +55,7 @@ class RawH2:
         self._encoder = hpack.Encoder()
         self._decoder = hpack.Decoder()
         self._buffer = b""
+        self.reads = 0
         self.frames: list[Received] = []
         #: Every header block received: ``(stream id, decoded headers, ends the stream)``.
         self.header_blocks: list[tuple[int, list[tuple[str, str]], bool]] = []
@@ -87,6 +90,7 @@ class RawH2:
             chunk = self.sock.recv(65536)
             if not chunk:
                 return None
+            self.reads += 1
             self._buffer += chunk
         data, self._buffer = self._buffer[:size], self._buffer[size:]
         return data
@@ -101,7 +105,7 @@ class RawH2:
         if body is None:
             return None
         frame.parse_body(memoryview(body))
-        received = Received(time.monotonic(), frame)
+        received = Received(time.monotonic(), frame, self.reads)
         self.frames.append(received)
         if isinstance(frame, PingFrame) and "ACK" not in frame.flags:
             self.sock.sendall(PingFrame(0, opaque_data=frame.opaque_data, flags=["ACK"]).serialize())

@@ -10,7 +10,7 @@ import stat
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, get_args
 
 from .faults import VIOLATIONS
 from .profiles import (
@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 HealthFlag = Literal["ready", "not_ready", "degraded"]
+StepClockKind = Literal["per-request", "engine"]
 #: ``--kv-fault`` kinds (``kvevents.py``): what happens to one batch of the KV event stream.
 KV_FAULT_KINDS = ("gap", "repeat", "drop", "error", "eof")
 #: The command line's default ``--profile``: TensorRT-LLM's merged server.
@@ -94,6 +95,9 @@ class MockConfig:
     prefill_tokens_per_s: float = 20000.0
     decode_ms_per_token: float = 10.0
     stream_interval: int = 1
+    #: ``per-request``: every request paces its decode steps on a timer of its own; ``engine``: one engine-wide step
+    #: for every decoding sequence, its messages written together (engine.StepClock).
+    step_clock: StepClockKind = "per-request"
     startup_delay: float = 0.0
     capabilities: Capabilities = Capabilities()
     health: HealthFlag = "ready"
@@ -273,6 +277,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-tokens-per-s", type=_positive_float, default=d.prefill_tokens_per_s)
     p.add_argument("--decode-ms-per-token", type=_non_negative_float, default=d.decode_ms_per_token)
     p.add_argument("--stream-interval", type=_positive_int, default=d.stream_interval)
+    p.add_argument(
+        "--step-clock",
+        choices=get_args(StepClockKind),
+        default=d.step_clock,
+        help="per-request: each request paces its own decode steps; engine: one engine-wide step for every decoding "
+        "sequence, its messages written together, as TensorRT-LLM's executor [%(default)s]",
+    )
     p.add_argument("--startup-delay", type=_non_negative_float, default=d.startup_delay)
     p.add_argument(
         "--capability",
@@ -467,6 +478,7 @@ def parse_args(argv: Sequence[str] | None = None) -> MockConfig:
         prefill_tokens_per_s=ns.prefill_tokens_per_s,
         decode_ms_per_token=ns.decode_ms_per_token,
         stream_interval=ns.stream_interval,
+        step_clock=ns.step_clock,
         startup_delay=ns.startup_delay,
         capabilities=caps,
         health=ns.health,

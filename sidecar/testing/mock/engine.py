@@ -12,7 +12,11 @@ Every accepted ``Generate`` runs as its own asyncio task (the grpclib handler) t
 * **decode** — one step per token for every unfinished output; a step lasts
   ``decode_ms_per_token × (1 + (B − 1) / 64)`` where ``B`` is the number of sequences decoding engine-wide, all
   divided by ``--speedup`` (0 = no delay). Each step ends in a real suspension (``asyncio.sleep``) so the server never
-  starves other streams, even at zero delay.
+  starves other streams, even at zero delay. ``--step-clock per-request`` (the default): each request paces its own
+  steps on a timer of its own, so the tokens of concurrent requests leave at scattered times. ``--step-clock
+  engine``: one engine-wide step (:class:`StepClock`) -- every decoding sequence gets its token at the same step,
+  and the server writes that step's messages together (one write per connection), as TensorRT-LLM's executor hands
+  one iteration's outputs for all requests at once.
 
 All waits of a request go through :meth:`LiveRequest.wait`, which ``Abort`` interrupts; client cancellation arrives as
 ``CancelledError`` at the same points. Whatever ends a request, :meth:`Engine._finish` releases its id and blocks --
@@ -57,7 +61,7 @@ if TYPE_CHECKING:
     from .faults import Violation
     from .lmapi import LanguageModel
 
-__all__ = ["Engine", "LiveRequest", "RequestState", "Sender"]
+__all__ = ["Engine", "LiveRequest", "RequestState", "Sender", "StepClock"]
 
 log = logging.getLogger("openengine_mock")
 
@@ -201,6 +205,68 @@ class LiveRequest:
                 self._waiter = None
         if self.aborted:
             raise _Aborted
+
+
+def _nothing() -> None:
+    pass
+
+
+class StepClock:
+    """``--step-clock engine``: one decode step for the whole engine.
+
+    A decoding request waits for the next step (:meth:`next_step`); at the step every waiting request is woken at
+    once, in one pass of the event loop, with the server's writes held (``hold_writes``) until they have all sent
+    their messages (``release_writes``, scheduled behind them). A step lasts :meth:`Engine._step_time` at the batch
+    of that moment, on absolute deadlines (a late step starts from now); the clock stops when nothing decodes and
+    restarts, one step ahead, with the next request that waits. An abort wakes a waiting request as before (its
+    ``wait`` raises)."""
+
+    __slots__ = ("_busy", "_due", "_step_time", "_timer", "_waiting", "hold_writes", "release_writes", "steps")
+
+    def __init__(self, step_time: Callable[[], float], busy: Callable[[], bool]) -> None:
+        self._step_time = step_time
+        self._busy = busy
+        self._waiting: dict[LiveRequest, None] = {}  # insertion-ordered: woken in the order they came
+        self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0
+        #: Set by the server: hold every connection's writes / write what each holds in one go.
+        self.hold_writes: Callable[[], None] = _nothing
+        self.release_writes: Callable[[], None] = _nothing
+        #: Steps run (``mock_stats.engine_steps``).
+        self.steps = 0
+
+    async def next_step(self, req: LiveRequest) -> None:
+        """Wait for the engine's next step (raises :class:`_Aborted` if ``req`` is aborted)."""
+        if self._timer is None:
+            loop = asyncio.get_running_loop()
+            self._due = loop.time() + self._step_time()
+            self._timer = loop.call_at(self._due, self._step)
+        self._waiting[req] = None
+        try:
+            await req.wait(None)
+        finally:
+            self._waiting.pop(req, None)
+
+    def _step(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._timer = None
+        self.steps += 1
+        waiting = list(self._waiting)
+        self._waiting.clear()
+        if waiting:
+            self.hold_writes()
+            for req in waiting:
+                req.wake()
+            # Behind every woken request's wake-up: each sends this step's messages before the writes go.
+            loop.call_soon(self.release_writes)
+        if self._busy():
+            self._due = max(self._due + self._step_time(), loop.time())
+            self._timer = loop.call_at(self._due, self._step)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class _Output:
@@ -394,6 +460,10 @@ class Engine:
         self._queue: collections.deque[LiveRequest] = collections.deque()
         self._counts = dict.fromkeys(RequestState, 0)
         self._decoding_sequences = 0
+        #: ``--step-clock engine``: the engine-wide decode step (``None``: each request paces itself).
+        self.step_clock = (
+            StepClock(self._step_time, lambda: self._decoding_sequences > 0) if config.step_clock == "engine" else None
+        )
         self._sessions = 0
         self.kv_sessions = KvSessionStore(
             timeout_s=config.kv_session_timeout,
@@ -894,7 +964,9 @@ class Engine:
             if await self._fault_point(req, em, outputs, drop):
                 return
             step = self._step_time()
-            if step > 0:
+            if step > 0 and self.step_clock is not None:
+                await self.step_clock.next_step(req)
+            elif step > 0:
                 now = loop.time()
                 next_at = max(next_at + step, now)
                 await req.wait(next_at - now)

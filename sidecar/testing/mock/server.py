@@ -112,6 +112,7 @@ async def _serve(config: MockConfig, lm: LanguageModel | None, stop: asyncio.Eve
     server = MockServer(
         [InferenceService(engine), ControlService(engine)],
         max_concurrent_streams=config.max_concurrent_streams,
+        hold_writes=engine.step_clock is not None,
         codec=LimitedProtoCodec(),
         config=grpclib_configuration(
             keepalive_s=30.0,
@@ -121,6 +122,9 @@ async def _serve(config: MockConfig, lm: LanguageModel | None, stop: asyncio.Eve
             connection_window_bytes=_WINDOW_BYTES,
         ),
     )
+    if engine.step_clock is not None:  # a step's messages leave together, one write per connection
+        engine.step_clock.hold_writes = server.hold_writes
+        engine.step_clock.release_writes = server.release_writes
     try:
         if config.uds is not None:
             with contextlib.suppress(FileNotFoundError):
@@ -160,6 +164,8 @@ async def _serve(config: MockConfig, lm: LanguageModel | None, stop: asyncio.Eve
         await _stop(server, engine, config.stop_grace_secs)
     finally:
         startup.cancel()
+        if engine.step_clock is not None:
+            engine.step_clock.close()
         await engine.kv_sessions.close()
         if config.uds is not None:
             with contextlib.suppress(OSError):
