@@ -191,7 +191,7 @@ def _point(path: str, row: e2e.Row, **figures: float) -> dict[str, object]:
 
 
 def test_goals_against_dynamo_are_the_worst_row_of_each_and_not_measured_without_path_d() -> None:
-    plan = e2e.Plan(**{**dataclasses.asdict(e2e.QUICK), "cpu_ratio_row": (10.0, 16)})
+    plan = e2e.Plan(**{**dataclasses.asdict(e2e.QUICK), "cpu_ratio_row": (10.0, 16), "per_request_ms": [10.0]})
     engine, per_request = e2e.paced_rows(plan)
     (sat5,) = [row for row in e2e.saturated_rows(plan) if row.interval == 5]
     points = []
@@ -226,10 +226,11 @@ def test_goals_against_dynamo_are_the_worst_row_of_each_and_not_measured_without
 def test_worker_a_on_the_engine_clock_hands_every_request_its_token_in_the_same_loop_pass() -> None:
     """Worker A's ``step_clock:engine``: requests whose prefills end at different times (prompts of 1, 100 and 200
     tokens at 20,000 tokens/s: 0.05, 5 and 10 ms into a 20 ms step) get their tokens in common passes of the event
-    loop (counted by a callback that reschedules itself every pass); on per-request timers they mostly do not (a
-    pause of the whole process longer than their offsets may put two in one pass now and then)."""
+    loop (counted by a callback that reschedules itself every pass). On per-request timers (``step_clock`` ignored)
+    this fails: their timers fire in passes of their own, except where a pause of the whole process puts some
+    together."""
 
-    async def passes_of_chunks(clock: str) -> list[list[int]]:
+    async def passes_of_chunks() -> list[list[int]]:
         loop = asyncio.get_running_loop()
         passes = 0
 
@@ -240,7 +241,7 @@ def test_worker_a_on_the_engine_clock_hands_every_request_its_token_in_the_same_
 
         handle = [loop.call_soon(count)]
         generate = make_generate(SimpleNamespace(lookup=lambda request: list(range(6))))  # type: ignore[arg-type]
-        annotations = worker_a_annotations(1, 20.0, clock)
+        annotations = worker_a_annotations(1, 20.0, "engine")
 
         async def one(prompt: int) -> list[int]:
             request = {"token_ids": [7] * prompt, "sampling_options": {"seed": 1},
@@ -252,7 +253,7 @@ def test_worker_a_on_the_engine_clock_hands_every_request_its_token_in_the_same_
         finally:
             handle[0].cancel()
 
-    engine = asyncio.run(passes_of_chunks("engine"))
+    engine = asyncio.run(passes_of_chunks())
     assert all(len(chunks) == 6 for chunks in engine)
     # Once the last request joined (its first chunk), every request's chunk of a step came in one pass.
     joined = max(chunks[0] for chunks in engine)
@@ -260,9 +261,6 @@ def test_worker_a_on_the_engine_clock_hands_every_request_its_token_in_the_same_
     shortest = min(len(s) for s in steps)
     assert shortest >= 3, engine
     assert all(s[:shortest] == steps[0][:shortest] for s in steps), engine
-    own = asyncio.run(passes_of_chunks("per-request"))
-    shared = [p for chunks in own for p in chunks if sum(p in other for other in own) > 1]
-    assert len(shared) <= 6, own  # of 18 chunks
 
 
 def test_engine_clock_annotations_reach_worker_a() -> None:

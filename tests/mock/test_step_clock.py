@@ -93,4 +93,5 @@ def test_engine_step_clock_puts_concurrent_tokens_on_common_steps_written_togeth
 def test_per_request_timers_scatter_the_tokens_of_concurrent_streams(start_mock: StartMock) -> None:
     mock = start_mock(*PACED)  # --step-clock per-request, the default
     reads = token_reads(mock.address)
-    assert len(misaligned(reads)) > STREAMS * MAX_TOKENS // 2, dict(reads)
+    # Out of phase by 6 ms in a 20 ms step, their writes meet in one read only where the client was paused that long.
+    assert misaligned(reads), dict(reads)
