@@ -1422,7 +1422,7 @@ def against_baseline(summary: dict[str, Any], data: dict[str, Any]) -> list[str]
         return []
     before = {goal["name"]: goal["value"] for goal in baseline["summary"]["goals"]}
     now = {goal["name"]: goal["value"] for goal in summary["goals"]}
-    cells = [[f"`{goal.name}`", _f(before.get(goal.name), goal.digits), _f(now[goal.name], goal.digits),
+    cells = [[f"`{goal.name}`", _f(before.get(goal.name), goal.digits), _f(now.get(goal.name), goal.digits),
               f"{goal.op} {goal.target:g}"] for goal in GOALS]  # fmt: skip
     return [
         f"Against the baseline (`{BASELINE.relative_to(ROOT)}`: run of {baseline['date']}, sidecar/ of "

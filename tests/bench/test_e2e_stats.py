@@ -7,7 +7,9 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import re
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,12 +17,15 @@ import pytest
 
 from bench import e2e
 from bench._e2e_common import (
+    CpuReading,
     RequestTiming,
     Stream,
     Table,
+    cpu_between,
     gap_summary,
     latency_summary,
     percentile,
+    read_cpu,
     seed_of,
     window_throughput,
 )
@@ -267,3 +272,24 @@ def test_engine_clock_annotations_reach_worker_a() -> None:
     assert Shape.of({"annotations": worker_a_annotations(1, 10.0, "engine")}).engine_clock
     assert not Shape.of({"annotations": worker_a_annotations(1, 10.0, "per-request")}).engine_clock
     assert not Shape.of({"annotations": worker_a_annotations(1, 10.0)}).engine_clock
+
+
+def test_cpu_between_counts_the_threads_nanoseconds_and_falls_back_to_ticks_when_a_thread_ended() -> None:
+    before = CpuReading(ticks_s=1.00, threads_ns={1: 500_000_000, 2: 200_000_000})
+    # Both threads ran on and a third started: 3 ms + 4 ms + 1 ms, where the ticks saw nothing (one tick is 10 ms).
+    after = CpuReading(ticks_s=1.00, threads_ns={1: 503_000_000, 2: 204_000_000, 3: 1_000_000})
+    assert cpu_between(before, after) == pytest.approx(0.008)
+    # Thread 2 ended after 300 ms more: its nanoseconds left with it, the process's ticks kept them.
+    ended = CpuReading(ticks_s=1.31, threads_ns={1: 510_000_000})
+    assert cpu_between(before, ended) == pytest.approx(0.31)
+    # A process gone: NaN, as the ticks are.
+    assert math.isnan(cpu_between(before, CpuReading(ticks_s=math.nan, threads_ns={})))
+
+
+def test_read_cpu_sees_this_process_work() -> None:
+    before = read_cpu(os.getpid())
+    deadline = time.process_time() + 0.02
+    while time.process_time() < deadline:
+        pass
+    spent = cpu_between(before, read_cpu(os.getpid()))
+    assert 0.015 <= spent <= 1.0, spent
