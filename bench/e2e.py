@@ -1208,8 +1208,9 @@ def _dynamo_tables(plan: Plan, data: dict[str, Any], summary: dict[str, Any]) ->
     if differ:
         lines += [
             "Not the same chunks where the tokens per event differ (B against D): " + "; ".join(differ) + ". Dynamo's "
-            "sidecar passes every engine message on as its own chunk; ours merges what is pending when Dynamo's "
-            "reader comes back, so there the client and the frontend handle fewer, larger events on path B.",
+            "sidecar passes each engine message on as a chunk of its own; where B's events carry more tokens, B "
+            "handed Dynamo several engine messages as one chunk, and the frontend and the load client handled fewer, "
+            "larger events on path B: not equal work there.",
             "",
         ]
     else:
