@@ -1,28 +1,35 @@
-"""End-to-end benchmark: the sidecar against an in-process Dynamo worker doing the same work, in one run.
+"""End-to-end benchmark: the sidecar against an in-process Dynamo worker doing the same work and against Dynamo's own
+TensorRT-LLM sidecar, in one run.
 
-    python -m bench.e2e --pin      # the whole run (< 12 min on 2 cores): docs/performance/ and docs/performance.md
-    python -m bench.e2e --quick    # smoke run (< 1 min): same paths, rows and checks, small loads, a temp dir
+    python -m bench.e2e --pin      # the whole run (< 15 min on 2 cores): docs/performance/ and docs/performance.md
+    python -m bench.e2e --quick    # smoke run (< 1 min): the same paths and row kinds, small loads, a temp dir
     python -m bench.e2e --memory-only   # the memory rows alone, printed
 
 Everything runs on loopback from this one command, with one real Dynamo frontend (``python -m dynamo.frontend``):
 
 * **A — in-process baseline**: ``bench._e2e_worker``, a plain uvloop Dynamo worker that yields the engine's tokens
   itself, one chunk per engine message (5 tokens per message: 5-token chunks, "A5"), sleeping the mock's decode steps
-  when the mock is paced; registered like the sidecar (served as ``bench-a``);
+  (on the same step shape) when the mock is paced; registered like the sidecar (served as ``bench-a``);
 * **B — the sidecar**: frontend → ``openengine-sidecar`` → ``openengine-mock`` (served as ``bench-b``);
+* **D — Dynamo's own sidecar**: frontend → ``python -m dynamo.trtllm.sidecar`` → an identical mock of its own
+  (served as ``bench-d``: it names the model after its ``--model-path``, a symlink); left out, in one line, where it
+  cannot be imported (or with ``--no-dynamo-sidecar``);
 * **C — our engine client alone** (saturated rows): ``bench._e2e_ceiling`` reading the same mock directly, no
   Dynamo; under ``--pin`` off the engine's CPU; a ceiling where it is above A and B (checked per row);
 * **R** (``--sidecar-tree NAME=DIR``): the sidecar of another checkout, beside B in the same rounds.
 
-Rows: *saturated* (``--speedup 0``, the engine sending 1 and 5 tokens per message; concurrency 16, 64, 256) and
-*paced* (``--speedup 1 --decode-ms-per-token 10`` and ``20``, one token per message; concurrency 16 and 64), each
-point run as A, B, (R,) C, A, B, … (rounds interleaved, medians reported), each from a fresh client process. Every
-request uses one of a few seeds, so every path carries the same token streams; every response of every path is
-checked against the engine's own (count, text, finish reason, usage). A lost, failed or mis-ordered request makes
-the run exit 1. Then the memory rows: 1,000 requests held in flight at once, through the sidecar and through worker
-A, warm (after the other rows) and cold (a fresh process).
+Rows: *saturated* (``--speedup 0``, the engine sending 1 and 5 tokens per message; concurrency 16, 64, 256), the
+*one-token* row (``max_tokens`` 1: admission cost), and *paced* (``--speedup 1 --decode-ms-per-token X``, one token
+per message; concurrency 16 and 64) on the mock's two step shapes: one engine-wide step (``--step-clock engine``, X =
+10 and 20) and per-request timers (X = 10). Each point runs as A, B, D, (R,) C, A, B, … (rounds interleaved, medians
+reported), each from a fresh client process. Every request uses one of a few seeds, so every path carries the same
+token streams; every response of every path is checked against the engine's own (count, text, finish reason, usage).
+A lost, failed or mis-ordered request makes the run exit 1. Then the memory rows: 1,000 requests held in flight at
+once, through the sidecar, through Dynamo's and through worker A, warm (after the other rows) and cold (a fresh
+process).
 
-The run ends with one line per goal: ``goal <name>: <measured> (target <op> <target>) met|MISSED``.
+The run ends with one line per goal: ``goal <name>: <measured> (target <op> <target>) met|MISSED`` (``not measured``
+where a goal's rows were not all measured).
 """
 
 from __future__ import annotations
@@ -105,7 +112,7 @@ class Pinning:
 
     def describe(self) -> str:
         engine, work = _cpus(self.engine), _cpus(self.work)
-        return f"the mock on CPU {engine}, everything else (path C's client included) on CPU {work}"
+        return f"the mocks on CPU {engine}, everything else (path C's client included) on CPU {work}"
 
 
 def _cpus(cpus: frozenset[int]) -> str:
@@ -1370,10 +1377,12 @@ def _dynamo_findings(plan: Plan, data: dict[str, Any], summary: dict[str, Any]) 
         + f"; worker A (Dynamo's Python binding, no engine client) {_span(a_over_d(paced))}× Dynamo's sidecar.",
     ]
     if 5 in sat:
+        events = [_get(_point(points, p, row), "tokens_per_event") for p in "BD" for row in sat[5]]
         out.append(
             f"* **Flat out, 5 tokens per engine message** (c={', '.join(str(c) for c in plan.concurrencies)}): CPU "
             f"per token {_span(of(sat[5], 'cpu_vs_d'))}× Dynamo's, throughput B/D {_span(of(sat[5], 'b_over_d'))}; "
-            f"worker A {_span(a_over_d(sat[5]))}× Dynamo's sidecar."
+            f"worker A {_span(a_over_d(sat[5]))}× Dynamo's sidecar; tokens per event B "
+            f"{_span(events[: len(sat[5])])}, D {_span(events[len(sat[5]) :])}."
         )
     if 1 in sat:
         events = [_get(_point(points, "B", row), "tokens_per_event") for row in sat[1]]
@@ -1602,7 +1611,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     load_before = " ".join(f"{v:.2f}" for v in os.getloadavg())
     log(f"bench.e2e {'quick' if args.quick else 'full'}: saturated {plan.intervals} tok/msg × c {plan.concurrencies}, "
-        f"paced {plan.paced_ms} ms/token × c {plan.paced_concurrencies}; load average {load_before}"
+        f"one-token c {plan.one_token_concurrency}, paced {plan.paced_ms} ms/token on the engine step and "
+        f"{plan.per_request_ms} on per-request timers × c {plan.paced_concurrencies}; load average {load_before}"
         + (f"; pinned: {PINNING.describe()}" if PINNING is not None else ""))  # fmt: skip
     data = trio.run(run, plan, out)
     if PINNING is not None:
