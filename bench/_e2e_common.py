@@ -76,6 +76,40 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
+@dataclass(frozen=True, slots=True)
+class CpuReading:
+    """A process's CPU time now: utime + stime (10 ms ticks, threads that ended included) and each live thread's run
+    time in nanoseconds (``/proc/<pid>/task/<tid>/schedstat``, the scheduler's own account)."""
+
+    ticks_s: float
+    threads_ns: dict[int, int]
+
+
+def read_cpu(pid: int) -> CpuReading:
+    threads: dict[int, int] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        tids = []
+    for tid in tids:
+        try:
+            threads[int(tid)] = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+    return CpuReading(process_cpu_s(pid), threads)
+
+
+def cpu_between(before: CpuReading, after: CpuReading) -> float:
+    """CPU seconds the process used between two readings: the threads' nanoseconds, exact where a few ticks would
+    not be (a short run of a cheap process is a handful of 10 ms ticks); the ticks where a thread ended in between
+    (its nanoseconds left with it, the process's ticks kept them)."""
+    ticks = after.ticks_s - before.ticks_s
+    exact = sum(ns - before.threads_ns.get(tid, 0) for tid, ns in after.threads_ns.items()) / 1e9
+    if not math.isfinite(ticks) or ticks > exact + 2 / _CLOCK_TICKS:
+        return ticks
+    return exact
+
+
 def process_rss_bytes(pid: int) -> int:
     """Resident set size of process ``pid`` (0 once it is gone)."""
     try:

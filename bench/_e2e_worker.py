@@ -32,7 +32,7 @@ from sidecar.dynamo import Registration
 from sidecar.dynamo._bindings import register
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
 
 
 class Tokens:
@@ -75,13 +75,16 @@ class Shape:
     * ``pace_ms:X`` -- X ms of decode per token (``--decode-ms-per-token``, ``--speedup 1``); 0 = as fast as it goes;
     * ``batch_slowdown:S`` -- a step lasts ``pace_ms × (1 + (B − 1) / S)`` with ``B`` the requests decoding at once
       in this worker, as the mock computes its steps (absent: every step lasts ``pace_ms``);
-    * ``prefill_tokens_per_s:R`` -- the prompt takes ``len(prompt) / R`` before the first step, as the mock's prefill.
+    * ``prefill_tokens_per_s:R`` -- the prompt takes ``len(prompt) / R`` before the first step, as the mock's prefill;
+    * ``step_clock:engine`` -- one step for every request of this worker (:class:`StepClock`), as the mock's
+      ``--step-clock engine``; absent (or ``per-request``): each request sleeps its own steps.
     """
 
     tokens_per_message: int = 1
     pace_s: float = 0.0
     batch_slowdown: float = 0.0
     prefill_tokens_per_s: float = 0.0
+    engine_clock: bool = False
 
     @classmethod
     def of(cls, request: dict[str, Any]) -> Shape:
@@ -94,6 +97,7 @@ class Shape:
             pace_s=float(values.get("pace_ms", 0)) / 1000,
             batch_slowdown=float(values.get("batch_slowdown", 0)),
             prefill_tokens_per_s=float(values.get("prefill_tokens_per_s", 0)),
+            engine_clock=values.get("step_clock", "per-request") == "engine",
         )
 
     def step_s(self, decoding: int) -> float:
@@ -102,8 +106,43 @@ class Shape:
         return self.pace_s * (1.0 + (max(decoding, 1) - 1) / self.batch_slowdown)
 
 
+class StepClock:
+    """The mock's ``--step-clock engine`` in this worker: one step for all its decoding requests. One timer per step;
+    the requests waiting for it wait on one ``asyncio.Event``, set at the step, so they all wake in one pass of the
+    loop. A step lasts ``step_s()`` at the batch of its start, on absolute deadlines (a late step starts from now); the
+    clock stops when ``busy()`` says nothing decodes, and restarts one step ahead with the next request that waits."""
+
+    def __init__(self, step_s: Callable[[], float], busy: Callable[[], bool]) -> None:
+        self._step_s = step_s
+        self._busy = busy
+        self._event: asyncio.Event | None = None
+        self._due = 0.0
+        self.steps = 0
+
+    async def next_step(self) -> None:
+        event = self._event
+        if event is None:
+            loop = asyncio.get_running_loop()
+            event = self._event = asyncio.Event()
+            self._due = loop.time() + self._step_s()
+            loop.call_at(self._due, self._step)
+        await event.wait()
+
+    def _step(self) -> None:
+        assert self._event is not None
+        event, self._event = self._event, None
+        self.steps += 1
+        event.set()
+        if self._busy():
+            loop = asyncio.get_running_loop()
+            self._event = asyncio.Event()
+            self._due = max(self._due + self._step_s(), loop.time())
+            loop.call_at(self._due, self._step)
+
+
 def make_generate(tokens: Tokens) -> Any:
     decoding = 0  # requests of this worker in their decode steps (the mock's batch size, for paced steps)
+    clocks: dict[tuple[float, float], StepClock] = {}  # one engine-wide clock per step model
 
     async def generate(request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
         nonlocal decoding
@@ -129,15 +168,24 @@ def make_generate(tokens: Tokens) -> Any:
         loop = asyncio.get_running_loop()
         if shape.prefill_tokens_per_s > 0:
             await asyncio.sleep(prompt / shape.prefill_tokens_per_s)
+        clock: StepClock | None = None
+        if shape.engine_clock:
+            key = (shape.pace_s, shape.batch_slowdown)
+            clock = clocks.get(key)
+            if clock is None:
+                clock = clocks[key] = StepClock(lambda: shape.step_s(decoding), lambda: decoding > 0)
         decoding += 1
         counted = True
         try:
             due = loop.time()
             pending: list[int] = []
             for i, token in enumerate(ids):
-                now = loop.time()
-                due = max(due + shape.step_s(decoding), now)
-                await asyncio.sleep(due - now)
+                if clock is not None:
+                    await clock.next_step()
+                else:
+                    now = loop.time()
+                    due = max(due + shape.step_s(decoding), now)
+                    await asyncio.sleep(due - now)
                 pending.append(token)
                 if i + 1 == last:
                     decoding -= 1  # out of the batch before its final chunk goes, as the mock ends the output first

@@ -1,28 +1,35 @@
-"""End-to-end benchmark: the sidecar against an in-process Dynamo worker doing the same work, in one run.
+"""End-to-end benchmark: the sidecar against an in-process Dynamo worker doing the same work and against Dynamo's own
+TensorRT-LLM sidecar, in one run.
 
-    python -m bench.e2e --pin      # the whole run (< 12 min on 2 cores): docs/performance/ and docs/performance.md
-    python -m bench.e2e --quick    # smoke run (< 1 min): same paths, rows and checks, small loads, a temp dir
+    python -m bench.e2e --pin      # the whole run (< 15 min on 2 cores): docs/performance/ and docs/performance.md
+    python -m bench.e2e --quick    # smoke run (< 1 min): the same paths and row kinds, small loads, a temp dir
     python -m bench.e2e --memory-only   # the memory rows alone, printed
 
 Everything runs on loopback from this one command, with one real Dynamo frontend (``python -m dynamo.frontend``):
 
 * **A — in-process baseline**: ``bench._e2e_worker``, a plain uvloop Dynamo worker that yields the engine's tokens
   itself, one chunk per engine message (5 tokens per message: 5-token chunks, "A5"), sleeping the mock's decode steps
-  when the mock is paced; registered like the sidecar (served as ``bench-a``);
+  (on the same step shape) when the mock is paced; registered like the sidecar (served as ``bench-a``);
 * **B — the sidecar**: frontend → ``openengine-sidecar`` → ``openengine-mock`` (served as ``bench-b``);
+* **D — Dynamo's own sidecar**: frontend → ``python -m dynamo.trtllm.sidecar`` → an identical mock of its own
+  (served as ``bench-d``: it names the model after its ``--model-path``, a symlink); left out, in one line, where it
+  cannot be imported (or with ``--no-dynamo-sidecar``);
 * **C — our engine client alone** (saturated rows): ``bench._e2e_ceiling`` reading the same mock directly, no
   Dynamo; under ``--pin`` off the engine's CPU; a ceiling where it is above A and B (checked per row);
 * **R** (``--sidecar-tree NAME=DIR``): the sidecar of another checkout, beside B in the same rounds.
 
-Rows: *saturated* (``--speedup 0``, the engine sending 1 and 5 tokens per message; concurrency 16, 64, 256) and
-*paced* (``--speedup 1 --decode-ms-per-token 10`` and ``20``, one token per message; concurrency 16 and 64), each
-point run as A, B, (R,) C, A, B, … (rounds interleaved, medians reported), each from a fresh client process. Every
-request uses one of a few seeds, so every path carries the same token streams; every response of every path is
-checked against the engine's own (count, text, finish reason, usage). A lost, failed or mis-ordered request makes
-the run exit 1. Then the memory rows: 1,000 requests held in flight at once, through the sidecar and through worker
-A, warm (after the other rows) and cold (a fresh process).
+Rows: *saturated* (``--speedup 0``, the engine sending 1 and 5 tokens per message; concurrency 16, 64, 256), the
+*one-token* row (``max_tokens`` 1: admission cost), and *paced* (``--speedup 1 --decode-ms-per-token X``, one token
+per message; concurrency 16 and 64) on the mock's two step shapes: one engine-wide step (``--step-clock engine``, X =
+10 and 20) and per-request timers (X = 10). Each point runs as A, B, D, (R,) C, A, B, … (rounds interleaved, medians
+reported), each from a fresh client process. Every request uses one of a few seeds, so every path carries the same
+token streams; every response of every path is checked against the engine's own (count, text, finish reason, usage).
+A lost, failed or mis-ordered request makes the run exit 1. Then the memory rows: 1,000 requests held in flight at
+once, through the sidecar, through Dynamo's and through worker A, warm (after the other rows) and cold (a fresh
+process).
 
-The run ends with one line per goal: ``goal <name>: <measured> (target <op> <target>) met|MISSED``.
+The run ends with one line per goal: ``goal <name>: <measured> (target <op> <target>) met|MISSED`` (``not measured``
+where a goal's rows were not all measured).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -46,7 +54,17 @@ from typing import Any, Final
 
 import trio
 
-from bench._e2e_common import MODEL_A, MODEL_B, PROMPT, Stream, Table, jsonable, process_cpu_s, process_rss_bytes
+from bench._e2e_common import (
+    MODEL_A,
+    MODEL_B,
+    PROMPT,
+    Stream,
+    Table,
+    cpu_between,
+    jsonable,
+    process_rss_bytes,
+    read_cpu,
+)
 from sidecar.testing.mock.config import MockConfig
 from sidecar.testing.mock.engine import _BATCH_SLOWDOWN as MOCK_BATCH_SLOWDOWN  # worker A mirrors the mock's steps
 from sidecar.testing.mock.lm import MODEL_DIR
@@ -60,6 +78,7 @@ from tests.helpers.processes import (
     start_process,
     wait_for_model,
 )
+from tests.helpers.stack import start_dynamo_sidecar
 
 MiB: Final = 2**20
 ROOT: Final = Path(__file__).resolve().parent.parent
@@ -67,6 +86,12 @@ DOCS: Final = ROOT / "docs" / "performance.md"
 DOCS_DIR: Final = ROOT / "docs" / "performance"
 BEGIN: Final = "<!-- bench.e2e --pin results: begin (generated by `python -m bench.e2e --pin`; do not edit by hand) -->"
 END: Final = "<!-- bench.e2e --pin results: end -->"
+#: The section "Beside Dynamo's own sidecar" (issue #37): the same run's figures of path D beside path B.
+BEGIN_DYNAMO: Final = (
+    "<!-- bench.e2e --pin beside Dynamo's sidecar: begin (generated by `python -m bench.e2e --pin`; do not edit by "
+    "hand) -->"
+)
+END_DYNAMO: Final = "<!-- bench.e2e --pin beside Dynamo's sidecar: end -->"
 #: The run before the data-path work (issue #30), kept: every later run's block shows its goals beside these.
 BASELINE: Final = DOCS_DIR / "baseline-c096775.json"
 
@@ -87,7 +112,7 @@ class Pinning:
 
     def describe(self) -> str:
         engine, work = _cpus(self.engine), _cpus(self.work)
-        return f"the mock on CPU {engine}, everything else (path C's client included) on CPU {work}"
+        return f"the mocks on CPU {engine}, everything else (path C's client included) on CPU {work}"
 
 
 def _cpus(cpus: frozenset[int]) -> str:
@@ -100,6 +125,11 @@ PINNING: Pinning | None = None
 #: measured in the same rounds as B (A B R C), for a before/after in one run.
 REF_TREE: tuple[str, Path] | None = None
 MODEL_REF: Final = "bench-b-ref"
+#: Path ``D``: Dynamo's own TensorRT-LLM sidecar (``python -m dynamo.trtllm.sidecar``), named after its
+#: ``--model-path``; its mock serves the same name. ``DYNAMO_MISSING`` says why it cannot run here (``None``: it can;
+#: ``--no-dynamo-sidecar`` sets a reason too).
+MODEL_D: Final = "bench-d"
+DYNAMO_MISSING: str | None = None
 #: A fresh worker A for the memory rows' cold baseline.
 MODEL_A_COLD: Final = "bench-a-cold"
 
@@ -121,7 +151,7 @@ MAX_BATCHED_TOKENS: Final = 8192
 
 @dataclass(frozen=True, slots=True)
 class Goal:
-    """One goal of issue #30: ``name``, ``op`` ("≤" or "≥") ``target``, printed with ``digits`` decimals."""
+    """One goal of issues #30 and #37: ``name``, ``op`` ("≤" or "≥") ``target``, printed with ``digits`` decimals."""
 
     name: str
     op: str
@@ -133,21 +163,32 @@ class Goal:
         return math.isfinite(value) and (value <= self.target if self.op == "≤" else value >= self.target)
 
     def line(self, value: float) -> str:
-        """``goal <name>: <measured> (target <op> <target>) met|MISSED`` -- the run's last lines, parsed by tests."""
-        shown = f"{value:.{self.digits}f}" if math.isfinite(value) else "nan"
+        """``goal <name>: <measured> (target <op> <target>) met|MISSED`` -- the run's last lines, parsed by tests; a
+        goal whose rows were not all measured (path D missing) says ``not measured`` and is not met."""
+        shown = f"{value:.{self.digits}f}" if math.isfinite(value) else "not measured"
         verdict = "met" if self.met(value) else "MISSED"
         return f"goal {self.name}: {shown} (target {self.op} {self.target:.{self.digits}f}) {verdict}"
 
 
 GOALS: Final = (
-    Goal("paced_gap_p50_ratio", "≤", 1.10, 2, "B/A event-gap p50, worst paced row"),
-    Goal("paced_gap_p99_ratio", "≤", 1.20, 2, "B/A event-gap p99, worst paced row"),
-    Goal("paced_tokens_per_event", "≤", 1.2, 2, "B's tokens per SSE event, worst paced row"),
-    Goal("paced_cpu_per_token_ratio", "≤", 1.5, 2, "sidecar CPU per token / worker A's, paced, c=64, 10 ms/token"),
+    Goal("paced_gap_p50_ratio", "≤", 1.10, 2, "B/A event-gap p50, worst paced row (both step shapes)"),
+    Goal("paced_gap_p99_ratio", "≤", 1.20, 2, "B/A event-gap p99, worst paced row (both step shapes)"),
+    Goal("paced_tokens_per_event", "≤", 1.2, 2, "B's tokens per SSE event, worst paced row (both step shapes)"),
+    Goal("paced_cpu_per_token_ratio", "≤", 1.5, 2,
+         "sidecar CPU per token / worker A's, paced, c=64, 10 ms/token, worst of both step shapes"),
     Goal("saturated_equal_chunk_ratio", "≥", 0.9, 2, "B/A5 throughput, 5 tokens per message, worst of c=16, 64"),
     Goal("saturated_us_per_message", "≤", 25.0, 1, "sidecar CPU µs per engine message, c=64, 1 token per message"),
     Goal("memory_kib_per_request", "≤", 45.0, 1, "sidecar RSS per in-flight request (KiB), 1,000 in flight"),
-)
+    Goal("paced_cpu_vs_dynamo", "≤", 2.0, 2,
+         "our sidecar's CPU per token / Dynamo's sidecar's, worst paced row (both step shapes)"),
+    Goal("saturated_cpu_vs_dynamo", "≤", 1.5, 2,
+         "our sidecar's CPU per token / Dynamo's sidecar's, 5 tokens per message, worst of c=16, 64, 256"),
+    Goal("ttft_vs_dynamo", "≤", 1.10, 2, "B/D TTFT p50 and p99, worst paced row"),
+    Goal("frontend_cpu_vs_dynamo", "≤", 1.05, 2,
+         "the frontend's CPU per token during B's runs / during D's, worst paced row"),
+    Goal("paced_gap_p99_vs_dynamo", "≤", 1.10, 2, "B/D event-gap p99, worst paced row"),
+    Goal("memory_vs_dynamo", "≤", 1.0, 2, "RSS per in-flight request, our sidecar / Dynamo's, 1,000 in flight"),
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +202,8 @@ class Plan:
     min_requests: int
     requests_per_slot: int
     warmup_requests: int
-    #: Paced rows (one token per message): ms per decode step at batch 1, concurrencies, rounds.
+    #: Paced rows (one token per message): ms per decode step at batch 1 on the engine-wide step clock (the mock's
+    #: ``--step-clock engine``), concurrencies, rounds.
     paced_ms: list[float]
     paced_concurrencies: list[int]
     paced_rounds: int
@@ -179,6 +221,12 @@ class Plan:
     memory_decode_ms: float
     hold_s: float
     settle_s: float
+    #: Paced rows on per-request timers (``--step-clock per-request``: every token its own wakeup), ms per step.
+    per_request_ms: list[float] = field(default_factory=list)
+    #: The one-token row (admission cost): ``one_token_requests`` requests of ``max_tokens`` 1 at this concurrency
+    #: (0: no such row), on the saturated engine.
+    one_token_concurrency: int = 0
+    one_token_requests: int = 0
 
     def requests(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_slot * concurrency)
@@ -210,6 +258,9 @@ FULL: Final = Plan(
     memory_decode_ms=100.0,
     hold_s=3.0,
     settle_s=1.0,
+    per_request_ms=[10.0],
+    one_token_concurrency=32,
+    one_token_requests=1000,
 )
 QUICK: Final = Plan(
     intervals=[1, 5],
@@ -234,31 +285,49 @@ QUICK: Final = Plan(
     memory_decode_ms=100.0,
     hold_s=0.5,
     settle_s=0.3,
+    per_request_ms=[],  # the full run's per-request row: a block more, 15 s of a one-minute budget
+    one_token_concurrency=16,
+    one_token_requests=64,
 )
+
+
+#: The mock's step shapes (``--step-clock``) on the paced rows.
+ENGINE_CLOCK: Final = "engine"
+PER_REQUEST: Final = "per-request"
 
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One point of the run: saturated (``pace_ms`` 0, ``interval`` tokens per engine message) or paced."""
+    """One point of the run: saturated (``pace_ms`` 0, ``interval`` tokens per engine message), the one-token row
+    (saturated, ``max_tokens`` 1), or paced on the mock's step ``clock``."""
 
     interval: int
     pace_ms: float
     concurrency: int
+    clock: str = ""
+    one_token: bool = False
 
     @property
     def paced(self) -> bool:
         return self.pace_ms > 0
 
     def label(self) -> str:
+        if self.one_token:
+            return f"one-token requests c={self.concurrency}"
         if self.paced:
-            return f"paced {self.pace_ms:g} ms/token c={self.concurrency}"
+            steps = "engine step" if self.clock == ENGINE_CLOCK else "per-request timers"
+            return f"paced {self.pace_ms:g} ms/token, {steps} c={self.concurrency}"
         return f"saturated {self.interval} tok/msg c={self.concurrency}"
 
     def matches(self, point: dict[str, Any]) -> bool:
-        return (point["interval"], point["pace_ms"], point["concurrency"]) == (
+        # Runs before the step clock (issue #37) paced every request on its own timer.
+        clock = point.get("clock", PER_REQUEST if point["pace_ms"] > 0 else "")
+        return (point["interval"], point["pace_ms"], point["concurrency"], clock, point.get("one_token", False)) == (
             self.interval,
             self.pace_ms,
             self.concurrency,
+            self.clock,
+            self.one_token,
         )
 
 
@@ -266,8 +335,14 @@ def saturated_rows(plan: Plan) -> list[Row]:
     return [Row(i, 0.0, c) for i in plan.intervals for c in plan.concurrencies]
 
 
+def one_token_rows(plan: Plan) -> list[Row]:
+    return [Row(1, 0.0, plan.one_token_concurrency, one_token=True)] if plan.one_token_concurrency else []
+
+
 def paced_rows(plan: Plan) -> list[Row]:
-    return [Row(1, ms, c) for ms in plan.paced_ms for c in plan.paced_concurrencies]
+    """Every paced row: the engine-wide step clock's, then the per-request timers'."""
+    engine = [Row(1, ms, c, ENGINE_CLOCK) for ms in plan.paced_ms for c in plan.paced_concurrencies]
+    return engine + [Row(1, ms, c, PER_REQUEST) for ms in plan.per_request_ms for c in plan.paced_concurrencies]
 
 
 @dataclass(slots=True)
@@ -308,10 +383,15 @@ class Stack:
     sidecar_ref: Process | None = None
     mock_ref: Process | None = None
     mock_ref_target: str = ""
+    #: Dynamo's own sidecar (path ``D``), served as ``bench-d``, its mock and its RSS.
+    sidecar_d: Process | None = None
+    mock_d: Process | None = None
+    mock_d_target: str = ""
+    sampler_d: Sampler | None = None
 
     def pids(self) -> dict[str, int]:
         pids = {"frontend": self.frontend.process.pid, "worker_a": self.worker_a.pid}
-        for name in ("sidecar", "sidecar_ref", "mock", "mock_ref"):
+        for name in ("sidecar", "sidecar_ref", "sidecar_d", "mock", "mock_ref", "mock_d"):
             process = getattr(self, name)
             if process is not None:
                 pids[name] = process.pid
@@ -333,13 +413,16 @@ def log(*parts: object) -> None:
 
 
 async def start_mock(
-    stack: Stack, stack_exit: AsyncExitStack, interval: int, pace_ms: float = 0.0, ref: bool = False
+    stack: Stack, stack_exit: AsyncExitStack, interval: int, pace_ms: float = 0.0, clock: str = "", path: str = "B"
 ) -> None:
-    """The mock engine (``pace_ms`` 0: no model time), pinned to the engine's CPU under ``--pin``. With ``ref``: a
-    second one, identical but for its served name, for path R's sidecar -- two sidecars on one engine would both
-    register its name as an alias, and Dynamo refuses the second."""
-    port_file = stack.work / f"mock-{interval}-{time.monotonic_ns()}.port"
+    """The mock engine of ``path`` (``pace_ms`` 0: no model time; paced, on the step ``clock``), pinned to the
+    engine's CPU under ``--pin``. Paths R and D get one each, identical but for its served name: two sidecars on one
+    engine would both register its name as an alias, which Dynamo refuses, and Dynamo's sidecar sends its own model
+    name (its ``--model-path``)."""
+    port_file = stack.work / f"mock-{path}-{interval}-{time.monotonic_ns()}.port"
     timing = ["--speedup", "0"] if pace_ms <= 0 else ["--speedup", "1", "--decode-ms-per-token", f"{pace_ms:g}"]
+    if pace_ms > 0 and clock:
+        timing += ["--step-clock", clock]
     argv = [
         sys.executable, "-m", "sidecar.testing.mock", "--profile", "trtllm", "--port", "0",
         "--port-file", str(port_file), *timing, "--stream-interval", str(interval),
@@ -347,28 +430,46 @@ async def start_mock(
         "--total-kv-blocks", str(TOTAL_KV_BLOCKS), "--max-running-requests", str(MAX_RUNNING),
         "--max-batched-tokens", str(MAX_BATCHED_TOKENS), "--log-level", "WARNING",
     ]  # fmt: skip
-    if ref:
-        argv += ["--served-model-name", "tiny-oe-ref"]
+    served = {"B": None, "R": "tiny-oe-ref", "D": MODEL_D}[path]
+    if served is not None:
+        argv += ["--served-model-name", served]
 
     async def ready(_: Process) -> bool:
         return port_file.exists()
 
+    name = {"B": "mock", "R": "mock-ref", "D": "mock-dynamo"}[path]
     mock = await stack_exit.enter_async_context(
-        start_process(argv, stack.denv.env, log_path=stack.denv.log_path("mock-ref" if ref else "mock"), ready=ready)
+        start_process(argv, stack.denv.env, log_path=stack.denv.log_path(name), ready=ready)
     )
     if PINNING is not None:
         pin_process(mock.pid, PINNING.engine)
-    if ref:
-        stack.mock_ref, stack.mock_ref_target = mock, port_file.read_text().strip()
+    target = port_file.read_text().strip()
+    if path == "R":
+        stack.mock_ref, stack.mock_ref_target = mock, target
+    elif path == "D":
+        stack.mock_d, stack.mock_d_target = mock, target
     else:
-        stack.mock, stack.mock_target = mock, port_file.read_text().strip()
+        stack.mock, stack.mock_target = mock, target
 
 
 async def start_sidecar(
-    stack: Stack, stack_exit: AsyncExitStack, nursery: trio.Nursery, interval: int, pace_ms: float, ref: bool
+    stack: Stack,
+    stack_exit: AsyncExitStack,
+    nursery: trio.Nursery,
+    interval: int,
+    pace_ms: float,
+    clock: str,
+    *,
+    ref: bool,
 ) -> None:
-    """The sidecar under test on ``stack.mock`` (and, with ``ref`` and ``--sidecar-tree``, the reference one beside
-    it, on a mock of its own started here with the same timing)."""
+    """The sidecar under test on ``stack.mock``; Dynamo's own sidecar (path D, unless it is missing) on a mock of its
+    own started here with the same timing; with ``ref`` and ``--sidecar-tree``, the reference one (path R) too."""
+    # The sidecars boot side by side (ours is not waited for until the others have started): each on its own CPU
+    # time, none measured yet.
+    if DYNAMO_MISSING is None:
+        await start_mock(stack, stack_exit, interval, pace_ms, clock, path="D")
+    if ref and REF_TREE is not None:
+        await start_mock(stack, stack_exit, interval, pace_ms, clock, path="R")
     argv = [
         sys.executable, "-m", "sidecar", "--grpc-endpoint", stack.mock_target, "--model-path", str(MODEL_DIR),
         "--served-model-name", MODEL_B, "--log-level", "warning",
@@ -377,12 +478,9 @@ async def start_sidecar(
     stack.sidecar = await stack_exit.enter_async_context(
         start_process(argv, stack.denv.worker_env(), log_path=stack.denv.log_path("sidecar"), stop_grace=10)
     )
-    await wait_for_model(stack.frontend.url, MODEL_B, timeout=60)
-    stack.sampler = Sampler(stack.sidecar.pid)
-    nursery.start_soon(stack.sampler.run)
+    models = [MODEL_B]
     if ref and REF_TREE is not None:
         tree = REF_TREE[1]
-        await start_mock(stack, stack_exit, interval, pace_ms, ref=True)
         argv = [
             sys.executable, "-m", "sidecar", "--grpc-endpoint", stack.mock_ref_target, "--model-path", str(MODEL_DIR),
             "--served-model-name", MODEL_REF, "--component", "sidecarref", "--log-level", "warning",
@@ -391,7 +489,22 @@ async def start_sidecar(
         stack.sidecar_ref = await stack_exit.enter_async_context(
             start_process(argv, env, log_path=stack.denv.log_path("sidecar-ref"), stop_grace=10, cwd=tree)
         )
-        await wait_for_model(stack.frontend.url, MODEL_REF, timeout=60)
+        models.append(MODEL_REF)
+    if DYNAMO_MISSING is None:
+        # Its drain waits a 5 s grace after unregistering, idle or not: the bench stops it between blocks.
+        env = stack.denv.worker_env(DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS="0")
+        worker = await stack_exit.enter_async_context(
+            start_dynamo_sidecar(stack.denv, stack.mock_d_target, "--component", "dynamosidecar", model=MODEL_D,
+                                 env=env)
+        )  # fmt: skip
+        stack.sidecar_d = worker.process
+        stack.sampler_d = Sampler(stack.sidecar_d.pid)
+        nursery.start_soon(stack.sampler_d.run)
+        models.append(MODEL_D)
+    for model in models:
+        await wait_for_model(stack.frontend.url, model, timeout=60)
+    stack.sampler = Sampler(stack.sidecar.pid)
+    nursery.start_soon(stack.sampler.run)
 
 
 # ------------------------------------------------------------------------------------------------ children
@@ -412,13 +525,16 @@ async def run_child(module: str, config: dict[str, Any], work: Path, bound_s: fl
     return result
 
 
-def worker_a_annotations(interval: int, pace_ms: float) -> list[str]:
+def worker_a_annotations(interval: int, pace_ms: float, clock: str = "") -> list[str]:
     """What tells worker A the engine's shape (``bench._e2e_worker.Shape``): its tokens per message and, paced, the
-    mock's step model (``decode_ms × (1 + (batch − 1) / slowdown)`` after a prefill at the mock's rate)."""
+    mock's step model (``decode_ms × (1 + (batch − 1) / slowdown)`` after a prefill at the mock's rate) and its step
+    clock (one engine-wide step, or each request its own timer)."""
     shape = [f"tokens_per_message:{interval}"]
     if pace_ms > 0:
         shape += [f"pace_ms:{pace_ms:g}", f"batch_slowdown:{MOCK_BATCH_SLOWDOWN:g}",
                   f"prefill_tokens_per_s:{MockConfig().prefill_tokens_per_s:g}"]  # fmt: skip
+        if clock:
+            shape.append(f"step_clock:{clock}")
     return shape
 
 
@@ -438,6 +554,8 @@ def load_config(
     }
 
 
+#: The process whose CPU is the path's own: worker A, our sidecar, the reference one, Dynamo's.
+OWN_PROCESS: Final = {"A": "worker_a", "B": "sidecar", "R": "sidecar_ref", "D": "sidecar_d"}
 #: What a point keeps of its client's result (the rest of the point is the servers' CPU around it).
 _RESULT_KEYS: Final = (
     "completed", "failed", "lost", "errors", "tokens", "tokens_per_s", "elapsed_s", "ttft_p50_ms", "ttft_p99_ms",
@@ -448,10 +566,14 @@ _RESULT_KEYS: Final = (
 
 async def measure(stack: Stack, row: Row, path: str, plan: Plan, table: Path) -> dict[str, Any]:
     """One point: run the path's client process, and account the servers' CPU and the sidecar's RSS around it."""
-    requests = plan.paced_requests(row.concurrency) if row.paced else plan.requests(row.concurrency)
-    max_tokens = plan.paced_max_tokens if row.paced else plan.max_tokens
+    if row.one_token:
+        requests, max_tokens = plan.one_token_requests, 1
+    elif row.paced:
+        requests, max_tokens = plan.paced_requests(row.concurrency), plan.paced_max_tokens
+    else:
+        requests, max_tokens = plan.requests(row.concurrency), plan.max_tokens
     pids = stack.pids()
-    cpu0 = {name: process_cpu_s(pid) for name, pid in pids.items()}
+    cpu0 = {name: read_cpu(pid) for name, pid in pids.items()}
     t0 = time.monotonic()
     if path == "C":
         config = {
@@ -461,34 +583,41 @@ async def measure(stack: Stack, row: Row, path: str, plan: Plan, table: Path) ->
         }  # fmt: skip
         result = await run_child("bench._e2e_ceiling", config, stack.work, 300)
     else:
-        model = {"A": MODEL_A, "B": MODEL_B, "R": MODEL_REF}[path]
+        model = {"A": MODEL_A, "B": MODEL_B, "R": MODEL_REF, "D": MODEL_D}[path]
         config = load_config(stack.frontend.url, model, table, row.concurrency, requests, max_tokens, plan.seeds)
         if path == "A":
-            config["annotations"] = worker_a_annotations(row.interval, row.pace_ms)
+            config["annotations"] = worker_a_annotations(row.interval, row.pace_ms, row.clock)
         result = await run_child("bench._e2e_load", config, stack.work, 300)
     t1 = time.monotonic()
-    cpu = {name: process_cpu_s(pid) - cpu0[name] for name, pid in pids.items()}
+    cpu = {name: cpu_between(cpu0[name], read_cpu(pid)) for name, pid in pids.items()}
     tokens = result["tokens"] or math.nan
     point: dict[str, Any] = {
         "path": path,
         "interval": row.interval,
         "pace_ms": row.pace_ms,
         "concurrency": row.concurrency,
+        "clock": row.clock,
+        "one_token": row.one_token,
         "requests": requests,
         **{key: result[key] for key in _RESULT_KEYS},
         "cpu_us_per_token": {name: 1e6 * value / tokens for name, value in cpu.items()},
         "client_cpu_us_per_token": 1e6 * result["client_cpu_s"] / tokens,
     }
-    if path == "B" and stack.sampler is not None:
-        point["sidecar_rss_peak_mib"] = stack.sampler.peak(t0, t1) / MiB
+    sampler = {"B": stack.sampler, "D": stack.sampler_d}.get(path)
+    if sampler is not None:
+        point["sidecar_rss_peak_mib"] = sampler.peak(t0, t1) / MiB
     bad = result["failed"] or result["lost"] or result["completed"] != requests
     status = "FAILED " + "; ".join(result["errors"]) if bad else "ok"
-    own = {"A": "worker_a", "B": "sidecar", "R": "sidecar_ref"}.get(path)
+    own = OWN_PROCESS.get(path)
+
+    def shown(key: str, digits: int, width: int) -> str:
+        return f"{_f(_num(result[key]), digits):>{width}}"
+
     log(
-        f"  {path} {row.label():<28} {result['tokens_per_s']:7.0f} tok/s  {result['tokens_per_event']:5.2f} tok/event"
-        f"  gap p50/p99 {result['gap_p50_ms']:6.1f}/{result['gap_p99_ms']:6.1f} ms  TTFT p50 "
-        f"{result['ttft_p50_ms']:7.1f} ms"
-        + (f"  {own} {point['cpu_us_per_token'][own]:5.1f} µs/tok" if own else "")
+        f"  {path} {row.label():<40} {shown('tokens_per_s', 0, 7)} tok/s  {shown('tokens_per_event', 2, 5)} tok/event"
+        f"  gap p50/p99 {shown('gap_p50_ms', 1, 6)}/{shown('gap_p99_ms', 1, 6)} ms  TTFT p50/p99 "
+        f"{shown('ttft_p50_ms', 1, 7)}/{shown('ttft_p99_ms', 1, 7)} ms"
+        + (f"  {own} {_f(_num(point['cpu_us_per_token'][own]), 1):>5} µs/tok" if own else "")
         + f"  [{result['completed']}/{requests} {status}]"
     )
     return point
@@ -526,24 +655,54 @@ async def learn_prompt(stack: Stack, record: Path) -> list[int]:
 
 
 async def warm_up(stack: Stack, plan: Plan, table: Path, models: tuple[str, ...], max_tokens: int) -> None:
-    for model in models:
+    """A few requests through each of ``models``, all at once (nothing is measured here)."""
+
+    async def one(model: str) -> None:
         config = load_config(stack.frontend.url, model, table, 8, plan.warmup_requests, max_tokens, plan.seeds)
         result = await run_child("bench._e2e_load", config, stack.work, 120)
         if result["failed"] or result["completed"] != plan.warmup_requests:
             raise RuntimeError(f"warm-up through {model} failed: {result['errors']}")
 
+    async with trio.open_nursery() as nursery:
+        for model in models:
+            nursery.start_soon(one, model)
 
-async def run_rows(
-    stack: Stack, plan: Plan, table: Path, rows: list[Row], paths: str, rounds: int
-) -> list[dict[str, Any]]:
+
+async def run_rows(stack: Stack, plan: Plan, table: Path, rows: list[Row], paths: str) -> list[dict[str, Any]]:
+    """Each row's rounds, every path once per round (C too on the saturated rows), medians."""
     points: list[dict[str, Any]] = []
     for row in rows:
-        runs: dict[str, list[dict[str, Any]]] = {path: [] for path in paths}
-        for _ in range(rounds):  # A B C A B C …: the machine's drift hits every path alike
-            for path in paths:
+        mine = paths if row.paced or row.one_token else paths + "C"
+        runs: dict[str, list[dict[str, Any]]] = {path: [] for path in mine}
+        for _ in range(plan.paced_rounds if row.paced else plan.rounds):  # A B D C A B D C …: drift hits all alike
+            for path in mine:
                 runs[path].append(await measure(stack, row, path, plan, table))
-        points.extend(merge_runs(runs[path]) for path in paths)
+        points.extend(merge_runs(runs[path]) for path in mine)
     return points
+
+
+async def memory_warm_up(
+    stack: Stack, plan: Plan, table: Path, model: str, annotations: list[str], max_tokens: int
+) -> None:
+    """The memory rows' short warm-up through ``model``: ``warmup_requests`` held at once for half a second."""
+    config = load_config(stack.frontend.url, model, table, plan.warmup_requests, plan.warmup_requests, max_tokens,
+                         plan.seeds)  # fmt: skip
+    config.update({"hold_s": 0.5, "annotations": annotations})
+    await run_child("bench._e2e_load", config, stack.work, 120)
+
+
+async def hold(
+    stack: Stack, plan: Plan, table: Path, model: str, sampler: Sampler, annotations: list[str], max_tokens: int
+) -> tuple[int, dict[str, Any]]:
+    """RSS (median from ``sampler``) while ``memory_requests`` requests through ``model`` are in flight at once."""
+    config = load_config(stack.frontend.url, model, table, plan.memory_requests, plan.memory_requests, max_tokens,
+                         plan.seeds)  # fmt: skip
+    config.update({"hold_s": plan.hold_s, "timeout_s": 180.0, "deadline_s": 180.0, "annotations": annotations})
+    result = await run_child("bench._e2e_load", config, stack.work, 240)
+    held_from, held_to = result.get("all_arrived"), result.get("released")
+    if held_from is None or held_to is None:
+        raise RuntimeError(f"not every request got a token ({result['failed']} failed): {result['errors'][:2]}")
+    return sampler.median(held_from + 0.2, held_to), result
 
 
 async def hold_many(
@@ -553,20 +712,11 @@ async def hold_many(
     """RSS (from ``sampler``) idle (after a warm-up with ``warm``), and while ``memory_requests`` requests are in
     flight."""
     if warm:
-        config = load_config(stack.frontend.url, model, table, plan.warmup_requests, plan.warmup_requests,
-                             max_tokens, plan.seeds)  # fmt: skip
-        config.update({"hold_s": 0.5, "annotations": annotations})
-        await run_child("bench._e2e_load", config, stack.work, 120)
+        await memory_warm_up(stack, plan, table, model, annotations, max_tokens)
         await trio.sleep(plan.settle_s)
     idle = process_rss_bytes(sampler.pid)
-    config = load_config(stack.frontend.url, model, table, plan.memory_requests, plan.memory_requests, max_tokens,
-                         plan.seeds)  # fmt: skip
-    config.update({"hold_s": plan.hold_s, "timeout_s": 180.0, "deadline_s": 180.0, "annotations": annotations})
-    result = await run_child("bench._e2e_load", config, stack.work, 240)
-    held_from, held_to = result.get("all_arrived"), result.get("released")
-    if held_from is None or held_to is None:
-        raise RuntimeError(f"not every request got a token ({result['failed']} failed): {result['errors'][:2]}")
-    return idle, sampler.median(held_from + 0.2, held_to), result
+    in_flight, result = await hold(stack, plan, table, model, sampler, annotations, max_tokens)
+    return idle, in_flight, result
 
 
 async def baseline_memory(
@@ -593,27 +743,48 @@ async def baseline_memory(
 
 
 async def memory_test(stack: Stack, plan: Plan, table: Path, nursery: trio.Nursery) -> dict[str, Any]:
-    """Sidecar RSS idle, then with ``memory_requests`` requests in flight at once (slow mock), then after; then worker
-    A's growth the same way: *warm*, the worker that served every row (up to 256 in flight), and *cold*, a fresh
-    worker A with the same short warm-up as the sidecar got -- the like-for-like baseline."""
+    """Sidecar RSS idle, then with ``memory_requests`` requests in flight at once (slow mock), then after; Dynamo's
+    sidecar the same way beside it (path D: the same warm-up, at the same time as ours); then worker A's growth the
+    same way: *warm*, the worker that served every row (up to 256 in flight), and *cold*, a fresh worker A with the
+    same short warm-up as the sidecar got -- the like-for-like baseline (it boots meanwhile)."""
     assert stack.sidecar is not None
     assert stack.sampler is not None
     pid = stack.sidecar.pid
-    await trio.sleep(plan.settle_s)
-    idle_fresh = process_rss_bytes(pid)
-    idle_warm, in_flight, result = await hold_many(
-        stack, plan, table, MODEL_B, stack.sampler, [], plan.memory_max_tokens, warm=True
-    )
-    await trio.sleep(plan.settle_s)
-    after = process_rss_bytes(pid)
-    warm_a = await baseline_memory(stack, plan, table, nursery, stack.worker_a.pid, MODEL_A, warm=False)
+    dyn = stack.sidecar_d
+    log(f"memory: {plan.memory_requests} requests in flight at once: path B{', D' if dyn else ''}, worker A warm, cold")
     async with start_worker_a(stack.denv, table, stack.work / "record-cold.json", MODEL_A_COLD, "baselinecold") as cold:
+        await trio.sleep(plan.settle_s)
+        idle_fresh = process_rss_bytes(pid)
+        idle_fresh_d = process_rss_bytes(dyn.pid) if dyn is not None else 0
+        async with trio.open_nursery() as warming:
+            for model in (MODEL_B, MODEL_D) if dyn is not None else (MODEL_B,):
+                warming.start_soon(memory_warm_up, stack, plan, table, model, [], plan.memory_max_tokens)
+        await trio.sleep(plan.settle_s)
+        idle_warm = process_rss_bytes(pid)
+        idle_warm_d = process_rss_bytes(dyn.pid) if dyn is not None else 0
+        in_flight, result = await hold(stack, plan, table, MODEL_B, stack.sampler, [], plan.memory_max_tokens)
+        await trio.sleep(plan.settle_s)
+        after = process_rss_bytes(pid)
+        dynamo = None
+        if dyn is not None:
+            assert stack.sampler_d is not None
+            in_flight_d, result_d = await hold(stack, plan, table, MODEL_D, stack.sampler_d, [], plan.memory_max_tokens)
+            dynamo = {
+                "peak_in_flight_seen_by_client": result_d["peak_in_flight"],
+                "failed": result_d["failed"],
+                "errors": result_d["errors"],
+                "idle_rss_mib": idle_fresh_d / MiB,
+                "idle_rss_after_warmup_mib": idle_warm_d / MiB,
+                "in_flight_rss_mib": in_flight_d / MiB,
+                "per_request_kib": (in_flight_d - idle_warm_d) / plan.memory_requests / 1024,
+            }
+        warm_a = await baseline_memory(stack, plan, table, nursery, stack.worker_a.pid, MODEL_A, warm=False)
         await wait_for_model(stack.frontend.url, MODEL_A_COLD, timeout=60)
         cold_a = await baseline_memory(stack, plan, table, nursery, cold.pid, MODEL_A_COLD, warm=True)
     out = {
         "requests": plan.memory_requests,
         "peak_in_flight_seen_by_client": result["peak_in_flight"],
-        "failed": result["failed"] + warm_a["failed"] + cold_a["failed"],
+        "failed": result["failed"] + warm_a["failed"] + cold_a["failed"] + (dynamo["failed"] if dynamo else 0),
         "errors": result["errors"],
         "idle_rss_mib": idle_fresh / MiB,
         "idle_rss_after_warmup_mib": idle_warm / MiB,
@@ -622,12 +793,20 @@ async def memory_test(stack: Stack, plan: Plan, table: Path, nursery: trio.Nurse
         "per_request_kib": (in_flight - idle_warm) / plan.memory_requests / 1024,
         "baseline_warm": warm_a,
         "baseline_cold": cold_a,
+        "dynamo": dynamo,
     }
     log(
         f"  memory: sidecar idle {out['idle_rss_mib']:.1f} MiB (after warm-up {out['idle_rss_after_warmup_mib']:.1f}),"
         f" {out['peak_in_flight_seen_by_client']} in flight {out['in_flight_rss_mib']:.1f} MiB "
         f"→ {out['per_request_kib']:.1f} KiB/request; after {out['after_rss_mib']:.1f} MiB; worker A warm "
         f"{warm_a['per_request_kib']:.1f}, cold {cold_a['per_request_kib']:.1f} KiB/request"
+        + (
+            ""
+            if dynamo is None
+            else f"; Dynamo's sidecar idle {dynamo['idle_rss_after_warmup_mib']:.1f} MiB, "
+            f"{dynamo['peak_in_flight_seen_by_client']} in flight {dynamo['in_flight_rss_mib']:.1f} MiB → "
+            f"{dynamo['per_request_kib']:.1f} KiB/request"
+        )
     )
     return out
 
@@ -655,8 +834,8 @@ async def run(plan: Plan, out: Path, memory_only: bool = False) -> dict[str, Any
     data: dict[str, Any] = {"points": [], "idle_rss_mib": {}, "memory": None}
     points: list[dict[str, Any]] = data["points"]
     idle: dict[str, float] = data["idle_rss_mib"]
-    paths = "AB" + ("R" if REF_TREE is not None else "")
-    models = (MODEL_A, MODEL_B, MODEL_REF) if REF_TREE is not None else (MODEL_A, MODEL_B)
+    paths = "AB" + ("D" if DYNAMO_MISSING is None else "") + ("R" if REF_TREE is not None else "")
+    models = tuple({"A": MODEL_A, "B": MODEL_B, "D": MODEL_D, "R": MODEL_REF}[path] for path in paths)
 
     def save() -> None:
         data["elapsed_s"] = time.monotonic() - started
@@ -673,18 +852,24 @@ async def run(plan: Plan, out: Path, memory_only: bool = False) -> dict[str, Any
             stack = Stack(denv, frontend, worker_a, work)
             prompt_ids = await learn_prompt(stack, record)
             log(f"frontend {frontend.url}; prompt {len(prompt_ids)} tokens; worker A pid {worker_a.pid}")
-            async with AsyncExitStack() as block:
-                await start_mock(stack, block, 1)
-                await build_table(stack, plan, prompt_ids, table)
-                _drop_block(stack)
-            blocks: list[tuple[int, float, list[Row]]] = []
+            blocks: list[tuple[int, float, str, list[Row]]] = []
             if not memory_only:
-                blocks += [(i, 0.0, [r for r in saturated_rows(plan) if r.interval == i]) for i in plan.intervals]
-                blocks += [(1, ms, [r for r in paced_rows(plan) if r.pace_ms == ms]) for ms in plan.paced_ms]
-            for interval, pace_ms, rows in blocks:
+                blocks += [(i, 0.0, "", [r for r in saturated_rows(plan) if r.interval == i]) for i in plan.intervals]
+                blocks[0][3].extend(one_token_rows(plan))  # on the first saturated engine (1 token per message)
+                blocks += [(1, ms, clock, [r for r in paced_rows(plan) if (r.pace_ms, r.clock) == (ms, clock)])
+                           for clock, shapes in ((ENGINE_CLOCK, plan.paced_ms), (PER_REQUEST, plan.per_request_ms))
+                           for ms in shapes]  # fmt: skip
+            else:
                 async with AsyncExitStack() as block:
-                    await start_mock(stack, block, interval, pace_ms)
-                    await start_sidecar(stack, block, nursery, interval, pace_ms, ref=True)
+                    await start_mock(stack, block, 1)
+                    await build_table(stack, plan, prompt_ids, table)
+                    _drop_block(stack)
+            for interval, pace_ms, clock, rows in blocks:
+                async with AsyncExitStack() as block:
+                    await start_mock(stack, block, interval, pace_ms, clock)
+                    if not table.exists():  # the first block's engine tells what every seed's stream is
+                        await build_table(stack, plan, prompt_ids, table)
+                    await start_sidecar(stack, block, nursery, interval, pace_ms, clock, ref=True)
                     assert stack.sidecar is not None
                     await trio.sleep(1.0)
                     name = rows[0].label().rsplit(" c=", 1)[0]
@@ -694,8 +879,7 @@ async def run(plan: Plan, out: Path, memory_only: bool = False) -> dict[str, Any
                     # Paced: a short warm-up (every step takes model time); the rows' own streams are longer.
                     await warm_up(stack, plan, table, models[1:] if pace_ms else models,
                                   8 if pace_ms else plan.max_tokens)  # fmt: skip
-                    rounds = plan.paced_rounds if pace_ms else plan.rounds
-                    points.extend(await run_rows(stack, plan, table, rows, paths if pace_ms else paths + "C", rounds))
+                    points.extend(await run_rows(stack, plan, table, rows, paths))
                     _drop_block(stack)
                 save()
             memory = await _guarded_block(stack, nursery, lambda: memory_test(stack, plan, table, nursery), plan)
@@ -715,7 +899,7 @@ async def _guarded_block(
     try:
         async with AsyncExitStack() as block:
             await start_mock(stack, block, 1, plan.memory_decode_ms)
-            await start_sidecar(stack, block, nursery, 1, plan.memory_decode_ms, ref=False)
+            await start_sidecar(stack, block, nursery, 1, plan.memory_decode_ms, "", ref=False)
             try:
                 return await body()
             finally:
@@ -763,10 +947,12 @@ def _failed_memory(plan: Plan, error: str) -> dict[str, Any]:
 
 
 def _drop_block(stack: Stack) -> None:
-    if stack.sampler is not None:
-        stack.sampler.scope.cancel()
+    for sampler in (stack.sampler, stack.sampler_d):
+        if sampler is not None:
+            sampler.scope.cancel()
     stack.sidecar = stack.mock = stack.sampler = stack.sidecar_ref = stack.mock_ref = None
-    stack.mock_target = ""
+    stack.sidecar_d = stack.mock_d = stack.sampler_d = None
+    stack.mock_target = stack.mock_d_target = stack.mock_ref_target = ""
 
 
 # ------------------------------------------------------------------------------------------------ reporting
@@ -797,54 +983,86 @@ def summarize(plan: Plan, data: dict[str, Any]) -> dict[str, Any]:
     points = data["points"]
     rows: list[dict[str, Any]] = []
     for row in saturated_rows(plan):
-        a, b, c = (_point(points, path, row) for path in "ABC")
+        a, b, c, d = (_point(points, path, row) for path in "ABCD")
         rows.append({
-            "label": row.label(), "interval": row.interval, "pace_ms": 0.0, "concurrency": row.concurrency,
+            "label": row.label(), "kind": "saturated", "interval": row.interval, "pace_ms": 0.0,
+            "concurrency": row.concurrency,
             "b_over_a": _ratio(_get(b, "tokens_per_s"), _get(a, "tokens_per_s")),
             "b_over_c": _ratio(_get(b, "tokens_per_s"), _get(c, "tokens_per_s")),
             "c_is_ceiling": _get(c, "tokens_per_s") >= max(_get(a, "tokens_per_s"), _get(b, "tokens_per_s")),
             "sidecar_us_per_message": _cpu(b, "sidecar") * row.interval,
+            **_against_dynamo(b, d),
         })  # fmt: skip
+    for row in one_token_rows(plan):
+        b, d = _point(points, "B", row), _point(points, "D", row)
+        rows.append({"label": row.label(), "kind": "one_token", "interval": 1, "pace_ms": 0.0,
+                     "concurrency": row.concurrency, **_against_dynamo(b, d)})  # fmt: skip
     for row in paced_rows(plan):
-        a, b = (_point(points, path, row) for path in "AB")
+        a, b, d = (_point(points, path, row) for path in "ABD")
         rows.append({
-            "label": row.label(), "interval": 1, "pace_ms": row.pace_ms, "concurrency": row.concurrency,
+            "label": row.label(), "kind": "paced", "interval": 1, "pace_ms": row.pace_ms, "clock": row.clock,
+            "concurrency": row.concurrency,
             "b_over_a": _ratio(_get(b, "tokens_per_s"), _get(a, "tokens_per_s")),
             **{f"{key}_ratio": _ratio(_get(b, key), _get(a, key))
                for key in ("gap_p50_ms", "gap_p90_ms", "gap_p99_ms", "worst_gap_p99_ms")},
             "cpu_per_token_ratio": _ratio(_cpu(b, "sidecar"), _cpu(a, "worker_a")),
+            "tokens_per_event": _get(b, "tokens_per_event"),
+            **_against_dynamo(b, d),
         })  # fmt: skip
-    paced = [r for r in rows if r["pace_ms"] > 0]
-    saturated = [r for r in rows if r["pace_ms"] == 0]
+    paced = [r for r in rows if r["kind"] == "paced"]
+    saturated = [r for r in rows if r["kind"] == "saturated"]
 
     def worst(values: list[float], op: str) -> float:
         if not values or not all(math.isfinite(v) for v in values):
             return math.nan
         return max(values) if op == "≤" else min(values)
 
-    tokens_per_event = [_get(_point(points, "B", Row(1, r["pace_ms"], r["concurrency"])), "tokens_per_event")
-                        for r in paced]  # fmt: skip
     equal_chunk = [r["b_over_a"] for r in saturated if r["interval"] == 5 and r["concurrency"] in
                    plan.equal_chunk_concurrencies]  # fmt: skip
     us_per_message = [r["sidecar_us_per_message"] for r in saturated
                       if (r["interval"], r["concurrency"]) == (1, plan.us_per_message_concurrency)]  # fmt: skip
     cpu_row = plan.cpu_ratio_row
     memory = data["memory"]
+    dynamo_memory = memory.get("dynamo") or {}
     values = {
         "paced_gap_p50_ratio": worst([r["gap_p50_ms_ratio"] for r in paced], "≤"),
         "paced_gap_p99_ratio": worst([r["gap_p99_ms_ratio"] for r in paced], "≤"),
-        "paced_tokens_per_event": worst(tokens_per_event, "≤"),
+        "paced_tokens_per_event": worst([r["tokens_per_event"] for r in paced], "≤"),
         "paced_cpu_per_token_ratio": worst(
-            [r["cpu_per_token_ratio"] for r in paced if (r["pace_ms"], r["concurrency"]) == cpu_row], "≤"
+            [r["cpu_per_token_ratio"] for r in paced if (r["pace_ms"], r["concurrency"]) == tuple(cpu_row)], "≤"
         ),
         "saturated_equal_chunk_ratio": worst(equal_chunk, "≥"),
         "saturated_us_per_message": worst(us_per_message, "≤"),
         "memory_kib_per_request": float(memory["per_request_kib"]),
+        "paced_cpu_vs_dynamo": worst([r["cpu_vs_d"] for r in paced], "≤"),
+        "saturated_cpu_vs_dynamo": worst([r["cpu_vs_d"] for r in saturated if r["interval"] == 5], "≤"),
+        "ttft_vs_dynamo": worst([v for r in paced for v in (r["ttft_p50_vs_d"], r["ttft_p99_vs_d"])], "≤"),
+        "frontend_cpu_vs_dynamo": worst([r["frontend_vs_d"] for r in paced], "≤"),
+        "paced_gap_p99_vs_dynamo": worst([r["gap_p99_vs_d"] for r in paced], "≤"),
+        "memory_vs_dynamo": _ratio(float(memory["per_request_kib"]), _num(dynamo_memory.get("per_request_kib"))),
     }
     goals = [{"name": g.name, "value": values[g.name], "op": g.op, "target": g.target, "met": g.met(values[g.name]),
               "what": g.what, "line": g.line(values[g.name])} for g in GOALS]  # fmt: skip
     bad = sum(p["requests"] - p["completed"] for p in points) + memory["failed"]
     return {"rows": rows, "goals": goals, "bad_requests": bad}
+
+
+def _num(value: object) -> float:
+    return float(value) if isinstance(value, int | float) else math.nan
+
+
+def _against_dynamo(b: dict[str, Any], d: dict[str, Any]) -> dict[str, float]:
+    """Path B over path D (Dynamo's own sidecar) at one row: NaN where D was not measured."""
+    return {
+        "b_over_d": _ratio(_get(b, "tokens_per_s"), _get(d, "tokens_per_s")),
+        "cpu_vs_d": _ratio(_cpu(b, "sidecar"), _cpu(d, "sidecar_d")),
+        "frontend_vs_d": _ratio(_cpu(b, "frontend"), _cpu(d, "frontend")),
+        "client_vs_d": _ratio(_get(b, "client_cpu_us_per_token"), _get(d, "client_cpu_us_per_token")),
+        "ttft_p50_vs_d": _ratio(_get(b, "ttft_p50_ms"), _get(d, "ttft_p50_ms")),
+        "ttft_p99_vs_d": _ratio(_get(b, "ttft_p99_ms"), _get(d, "ttft_p99_ms")),
+        "gap_p50_vs_d": _ratio(_get(b, "gap_p50_ms"), _get(d, "gap_p50_ms")),
+        "gap_p99_vs_d": _ratio(_get(b, "gap_p99_ms"), _get(d, "gap_p99_ms")),
+    }
 
 
 def _f(value: float | None, digits: int = 0) -> str:
@@ -866,8 +1084,9 @@ def _table(columns: str, align: str, rows: list[list[str]]) -> list[str]:
     return lines
 
 
-def tables(plan: Plan, data: dict[str, Any], summary: dict[str, Any]) -> list[str]:
-    """The figures as Markdown tables (also what the console shows)."""
+def tables(plan: Plan, data: dict[str, Any], summary: dict[str, Any], *, dynamo: bool = True) -> list[str]:
+    """The figures as Markdown tables (also what the console shows); ``dynamo``: with those beside Dynamo's sidecar
+    (docs/performance.md has them in a section of their own)."""
     points = data["points"]
     rows = {r["label"]: r for r in summary["rows"]}
     saturated, cpu, paced = [], [], []
@@ -891,7 +1110,7 @@ def tables(plan: Plan, data: dict[str, Any], summary: dict[str, Any]) -> list[st
         a, b = (_point(points, path, row) for path in "AB")
         s = rows[row.label()]
         paced.append([
-            f"{row.pace_ms:g}", str(row.concurrency), _pair(a, b, "tokens_per_s", 0),
+            f"{row.pace_ms:g}", row.clock, str(row.concurrency), _pair(a, b, "tokens_per_s", 0),
             _pair(a, b, "tokens_per_event", 2),
             _pair(a, b, "gap_p50_ms", 1), _f(s["gap_p50_ms_ratio"], 2), _pair(a, b, "gap_p90_ms", 1),
             _pair(a, b, "gap_p99_ms", 1), _f(s["gap_p99_ms_ratio"], 2), _pair(a, b, "worst_gap_p50_ms", 1),
@@ -914,15 +1133,20 @@ def tables(plan: Plan, data: dict[str, Any], summary: dict[str, Any]) -> list[st
                 "| mock (B's run) | load client A / B | C's client | sidecar RSS peak MiB", "rrrrrlrlrr", cpu),
         "",
         "**Paced** (`--speedup 1 --decode-ms-per-token X`, one token per message; worker A sleeps the mock's steps, "
-        "X × (1 + (batch − 1)/64), on absolute deadlines): what a user feels, and CPU per token at a realistic rate.",
+        "X × (1 + (batch − 1)/64), on absolute deadlines; steps *engine*: one engine-wide step for every decoding "
+        "request, its messages written together (`--step-clock engine`; worker A's requests wake together too), "
+        "*per-request*: each request on a timer of its own): what a user feels, and CPU per token at a realistic "
+        "rate.",
         "",
-        *_table("ms/token | c | tok/s A / B | tok/event A / B | event gap p50 A / B ms | B/A | gap p90 A / B ms "
-                "| gap p99 A / B ms | B/A | worst gap per request p50 A / B ms | p99 A / B ms | TTFT p50 A / B ms "
-                "| ITL p50 A / B ms | CPU µs/token worker A / sidecar | sidecar / A | mock µs/token "
-                "| load client A / B",
-                "rrlllrllrlllllrrl", paced),
+        *_table("ms/token | steps | c | tok/s A / B | tok/event A / B | event gap p50 A / B ms | B/A "
+                "| gap p90 A / B ms | gap p99 A / B ms | B/A | worst gap per request p50 A / B ms | p99 A / B ms "
+                "| TTFT p50 A / B ms | ITL p50 A / B ms | CPU µs/token worker A / sidecar | sidecar / A "
+                "| mock µs/token | load client A / B",
+                "rlrlllrllrlllllrrl", paced),
         "",
     ]  # fmt: skip
+    if dynamo:
+        lines += _dynamo_tables(plan, data, summary)
     if any(p["path"] == "R" for p in points):
         lines += _ref_table(plan, points, data.get("ref_tree", "R"))
     memory = data["memory"]
@@ -942,6 +1166,96 @@ def tables(plan: Plan, data: dict[str, Any], summary: dict[str, Any]) -> list[st
         f"KiB** against the warm baseline, **{_f(total - cold, 1)} KiB** against the cold one.",
         "",
     ]
+    return lines
+
+
+def _kind(row: dict[str, Any]) -> str:
+    """A summary row's kind (runs before issue #37 had saturated and paced rows only, and did not say)."""
+    return str(row.get("kind", "paced" if row["pace_ms"] > 0 else "saturated"))
+
+
+#: Tokens per event of two paths differ by more than this (relative): not the same chunks, said under the table.
+_CHUNKS_DIFFER: Final = 0.05
+
+
+def _dynamo_tables(plan: Plan, data: dict[str, Any], summary: dict[str, Any]) -> list[str]:
+    """Path B beside path D (Dynamo's own sidecar), every row; the one-token row; what differs in the chunks."""
+    missing = data.get("dynamo_missing", "not run (a run from before path D)")
+    if missing is not None:
+        return [f"**Beside Dynamo's own sidecar**: path D not measured -- {missing}.", ""]
+    points = data["points"]
+    rows = {r["label"]: r for r in summary["rows"]}
+    cells, differ = [], []
+    for row in [*saturated_rows(plan), *paced_rows(plan)]:
+        b, d = _point(points, "B", row), _point(points, "D", row)
+        s = rows[row.label()]
+        cells.append([
+            row.label(), _pair(b, d, "tokens_per_s", 0), _f(s["b_over_d"], 2), _pair(b, d, "tokens_per_event", 2),
+            _pair(b, d, "gap_p50_ms", 1), _pair(b, d, "gap_p99_ms", 1), _f(s["gap_p99_vs_d"], 2),
+            _pair(b, d, "ttft_p50_ms", 1), _pair(b, d, "ttft_p99_ms", 1),
+            f"{_f(s['ttft_p50_vs_d'], 2)} / {_f(s['ttft_p99_vs_d'], 2)}",
+            f"{_f(_cpu(b, 'sidecar'), 1)} / {_f(_cpu(d, 'sidecar_d'), 1)}", f"**{_f(s['cpu_vs_d'], 2)}**",
+            f"{_f(_cpu(b, 'frontend'), 1)} / {_f(_cpu(d, 'frontend'), 1)}", _f(s["frontend_vs_d"], 2),
+            _pair(b, d, "client_cpu_us_per_token", 1), _pair(b, d, "sidecar_rss_peak_mib", 1),
+        ])  # fmt: skip
+        tb, td = _get(b, "tokens_per_event"), _get(d, "tokens_per_event")
+        if math.isfinite(tb) and math.isfinite(td) and abs(tb - td) > _CHUNKS_DIFFER * td:
+            differ.append(f"{row.label()} ({_f(tb, 2)} against {_f(td, 2)})")
+    lines = [
+        "**Beside Dynamo's own sidecar** (path D: `python -m dynamo.trtllm.sidecar`, 8 gRPC connections like ours, on "
+        "a mock of its own, in the same rounds; B/D ratios; the frontend's and the load client's CPU per token over "
+        "each path's runs):",
+        "",
+        *_table("row | tok/s B / D | B/D | tok/event B / D | event gap p50 B / D ms | gap p99 B / D ms | B/D "
+                "| TTFT p50 B / D ms | TTFT p99 B / D ms | TTFT B/D p50 / p99 | sidecar CPU µs/token B / D | B/D "
+                "| frontend µs/token B / D | B/D | load client µs/token B / D | sidecar RSS peak MiB B / D",
+                "lllllllllllrlrll", cells),
+        "",
+    ]  # fmt: skip
+    if differ:
+        lines += [
+            "Not the same chunks where the tokens per event differ (B against D): " + "; ".join(differ) + ". Dynamo's "
+            "sidecar passes each engine message on as a chunk of its own; where B's events carry more tokens, B "
+            "handed Dynamo several engine messages as one chunk, and the frontend and the load client handled fewer, "
+            "larger events on path B: not equal work there.",
+            "",
+        ]
+    else:
+        lines += ["B and D delivered the same tokens per event in every row (within 5 %): the same chunks.", ""]
+    one = []
+    for row in one_token_rows(plan):
+        a, b, d = (_point(points, path, row) for path in "ABD")
+        s = rows[row.label()]
+        one.append([
+            str(row.concurrency), str(plan.one_token_requests),
+            " / ".join(_f(_get(p, "tokens_per_s"), 0) for p in (a, b, d)),
+            f"{_f(_cpu(a, 'worker_a'), 1)} / {_f(_cpu(b, 'sidecar'), 1)} / {_f(_cpu(d, 'sidecar_d'), 1)}",
+            f"**{_f(s['cpu_vs_d'], 2)}**", " / ".join(_f(_cpu(p, "frontend"), 1) for p in (a, b, d)),
+            " / ".join(_f(_get(p, "ttft_p50_ms"), 1) for p in (a, b, d)),
+            " / ".join(_f(_get(p, "ttft_p99_ms"), 1) for p in (a, b, d)),
+        ])  # fmt: skip
+    if one:
+        lines += [
+            "**One-token requests** (admission cost: `max_tokens` 1 on the saturated engine, closed loop; a token is a "
+            "request here):",
+            "",
+            *_table("c | requests | requests/s A / B / D | CPU µs per request worker A / our sidecar / Dynamo's "
+                    "| B/D | frontend µs per request A / B / D | TTFT p50 A / B / D ms | TTFT p99 A / B / D ms",
+                    "rrlllrll", one),
+            "",
+        ]  # fmt: skip
+    memory = data["memory"]
+    dyn = memory.get("dynamo")
+    if dyn:
+        lines += [
+            f"**Memory beside Dynamo's sidecar**, {memory['requests']} requests in flight at once on each path's own "
+            f"slow mock, after the same warm-up: ours idle {_f(memory['idle_rss_after_warmup_mib'], 1)} MiB → "
+            f"**{_f(memory['per_request_kib'], 1)} KiB per request**; Dynamo's idle "
+            f"{_f(dyn['idle_rss_after_warmup_mib'], 1)} MiB ({_f(dyn['idle_rss_mib'], 1)} fresh), "
+            f"{_f(dyn['in_flight_rss_mib'], 1)} MiB with {dyn['peak_in_flight_seen_by_client']} in flight → "
+            f"**{_f(dyn['per_request_kib'], 1)} KiB per request**.",
+            "",
+        ]
     return lines
 
 
@@ -968,8 +1282,10 @@ def _ref_table(plan: Plan, points: list[dict[str, Any]], name: str) -> list[str]
 def header(plan: Plan, data: dict[str, Any]) -> str:
     machine = data["machine"]
     pinning = data.get("pinning")
-    paced = "A B R" if data.get("ref_tree") else "A B"
-    order = "A B R C" if data.get("ref_tree") else "A B C"
+    measured = (
+        "A B" + (" D" if data.get("dynamo_missing", "old") is None else "") + (" R" if data.get("ref_tree") else "")
+    )
+    paced, order = measured, measured + " C"
     return (
         f"Run of {data['date']} on `{data['commit']}` (sidecar/ last changed in `{data['sidecar_commit']}`"
         f"{', with uncommitted changes' if data['sidecar_dirty'] else ''}); "
@@ -988,7 +1304,7 @@ def summary_bad(data: dict[str, Any]) -> int:
 
 
 def ceiling_note(summary: dict[str, Any]) -> str:
-    below = [r["label"] for r in summary["rows"] if r["pace_ms"] == 0 and not r["c_is_ceiling"]]
+    below = [r["label"] for r in summary["rows"] if _kind(r) == "saturated" and not r["c_is_ceiling"]]
     if not below:
         return "Path C (our engine client alone, off the engine's CPU) was above A and B at every saturated row."
     return (f"† Path C (our engine client alone, off the engine's CPU) was not above both A and B at "
@@ -1001,7 +1317,7 @@ def markdown(
     """The generated results block of docs/performance.md (without ``markers``: the same figures as plain text)."""
     lines = [BEGIN, ""] if markers else []
     lines += [header(plan, data), ""]
-    lines += tables(plan, data, summary)
+    lines += tables(plan, data, summary, dynamo=not markers)
     lines += [ceiling_note(summary), ""]
     lines += against_baseline(summary, data)
     lines += ["Goals (each the worst over the rows it covers):", "", "```"]
@@ -1014,6 +1330,99 @@ def markdown(
     return "\n".join(lines)
 
 
+def dynamo_markdown(plan: Plan, data: dict[str, Any], summary: dict[str, Any]) -> str:
+    """The generated block of docs/performance.md's "Beside Dynamo's own sidecar": path D's tables, what they add up
+    to, and the goal lines against it -- all from the run of the results block."""
+    lines = [BEGIN_DYNAMO, "", f"From the run of {data['date']} on `{data['commit']}` (the results block above).", ""]
+    lines += _dynamo_tables(plan, data, summary)
+    findings = _dynamo_findings(plan, data, summary)
+    if findings:
+        lines += ["What the run shows (ranges over the rows named):", "", *findings, ""]
+    lines += ["Goals against Dynamo's sidecar (each the worst over the rows it covers):", "", "```"]
+    lines += [goal["line"] for goal in summary["goals"] if goal["name"].endswith("_vs_dynamo")]
+    lines += ["```", "", END_DYNAMO]
+    return "\n".join(lines)
+
+
+def _span(values: list[float], digits: int = 2) -> str:
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return "–"
+    low, high = _f(min(finite), digits), _f(max(finite), digits)
+    return low if low == high else f"{low}–{high}"
+
+
+def _dynamo_findings(plan: Plan, data: dict[str, Any], summary: dict[str, Any]) -> list[str]:
+    """One bullet per kind of row: B against D (and worker A against D) as ranges of this run's figures."""
+    if data.get("dynamo_missing", "old") is not None:
+        return []
+    points = data["points"]
+    by_label = {r["label"]: r for r in summary["rows"]}
+
+    def of(rows: list[Row], key: str) -> list[float]:
+        return [_num(by_label[row.label()][key]) for row in rows]
+
+    def a_over_d(rows: list[Row]) -> list[float]:
+        return [_ratio(_cpu(_point(points, "A", row), "worker_a"), _cpu(_point(points, "D", row), "sidecar_d"))
+                for row in rows]  # fmt: skip
+
+    engine = [row for row in paced_rows(plan) if row.clock == ENGINE_CLOCK]
+    timers = [row for row in paced_rows(plan) if row.clock == PER_REQUEST]
+    paced = [*engine, *timers]
+    sat = {i: [row for row in saturated_rows(plan) if row.interval == i] for i in plan.intervals}
+    out = [
+        f"* **CPU per token at the engine's pace**: our sidecar {_span(of(engine, 'cpu_vs_d'))}× Dynamo's on the "
+        f"engine-wide step"
+        + (f", {_span(of(timers, 'cpu_vs_d'))}× on per-request timers" if timers else "")
+        + f"; worker A (Dynamo's Python binding, no engine client) {_span(a_over_d(paced))}× Dynamo's sidecar.",
+    ]
+    if 5 in sat:
+        events = [_get(_point(points, p, row), "tokens_per_event") for p in "BD" for row in sat[5]]
+        out.append(
+            f"* **Flat out, 5 tokens per engine message** (c={', '.join(str(c) for c in plan.concurrencies)}): CPU "
+            f"per token {_span(of(sat[5], 'cpu_vs_d'))}× Dynamo's, throughput B/D {_span(of(sat[5], 'b_over_d'))}; "
+            f"worker A {_span(a_over_d(sat[5]))}× Dynamo's sidecar; tokens per event B "
+            f"{_span(events[: len(sat[5])])}, D {_span(events[len(sat[5]) :])}."
+        )
+    if 1 in sat:
+        events = [_get(_point(points, "B", row), "tokens_per_event") for row in sat[1]]
+        out.append(
+            f"* **Flat out, 1 token per engine message**: throughput B/D {_span(of(sat[1], 'b_over_d'))}, CPU per "
+            f"token {_span(of(sat[1], 'cpu_vs_d'))}× Dynamo's; our events carry {_span(events)} tokens, Dynamo's one "
+            "engine message each: not the same chunks, so not equal work."
+        )
+    for row in one_token_rows(plan):
+        b, d = _point(points, "B", row), _point(points, "D", row)
+        r = by_label[row.label()]
+        out.append(
+            f"* **Admission** (one-token requests, c={row.concurrency}): {_f(_cpu(b, 'sidecar'), 1)} µs of our "
+            f"sidecar's CPU per request against {_f(_cpu(d, 'sidecar_d'), 1)} µs of Dynamo's "
+            f"({_f(r['cpu_vs_d'], 2)}×); TTFT p50 {_f(_get(b, 'ttft_p50_ms'), 1)} against "
+            f"{_f(_get(d, 'ttft_p50_ms'), 1)} ms, p99 {_f(_get(b, 'ttft_p99_ms'), 1)} against "
+            f"{_f(_get(d, 'ttft_p99_ms'), 1)} ms."
+        )
+    if paced:
+        chunks = {p: _span([_get(_point(points, p, row), "tokens_per_event") for row in paced]) for p in "BD"}
+        out += [
+            f"* **What a user feels at the engine's pace**: TTFT B/D p50 {_span(of(paced, 'ttft_p50_vs_d'))}, p99 "
+            f"{_span(of(paced, 'ttft_p99_vs_d'))}; event gap B/D p50 {_span(of(paced, 'gap_p50_vs_d'))}, p99 "
+            f"{_span(of(paced, 'gap_p99_vs_d'))}; tokens per event B {chunks['B']}, D {chunks['D']}.",
+            f"* **The processes beside the sidecar at the engine's pace**: the frontend's CPU per token during our "
+            f"runs {_span(of(paced, 'frontend_vs_d'))}× that during Dynamo's sidecar's, the load client's "
+            f"{_span(of(paced, 'client_vs_d'))}×.",
+        ]
+    dyn = data["memory"].get("dynamo")
+    if dyn:
+        memory = data["memory"]
+        ratio = _ratio(_num(memory["per_request_kib"]), _num(dyn["per_request_kib"]))
+        out.append(
+            f"* **Memory**: {_f(memory['per_request_kib'], 1)} KiB per in-flight request against Dynamo's "
+            f"{_f(dyn['per_request_kib'], 1)} KiB (ours/D {_f(ratio, 2)}); idle after the warm-up "
+            f"{_f(memory['idle_rss_after_warmup_mib'], 1)} MiB against {_f(dyn['idle_rss_after_warmup_mib'], 1)} MiB."
+        )
+    return out
+
+
 def against_baseline(summary: dict[str, Any], data: dict[str, Any]) -> list[str]:
     """The goals of this run beside those of the baseline run kept in ``BASELINE`` (none if that is this run)."""
     if not BASELINE.exists():
@@ -1023,7 +1432,7 @@ def against_baseline(summary: dict[str, Any], data: dict[str, Any]) -> list[str]
         return []
     before = {goal["name"]: goal["value"] for goal in baseline["summary"]["goals"]}
     now = {goal["name"]: goal["value"] for goal in summary["goals"]}
-    cells = [[f"`{goal.name}`", _f(before.get(goal.name), goal.digits), _f(now[goal.name], goal.digits),
+    cells = [[f"`{goal.name}`", _f(before.get(goal.name), goal.digits), _f(now.get(goal.name), goal.digits),
               f"{goal.op} {goal.target:g}"] for goal in GOALS]  # fmt: skip
     return [
         f"Against the baseline (`{BASELINE.relative_to(ROOT)}`: run of {baseline['date']}, sidecar/ of "
@@ -1039,8 +1448,12 @@ def render(path: Path) -> str:
     data = json.loads(path.read_text())
     values = dict(data["plan"])
     values["cpu_ratio_row"] = tuple(values["cpu_ratio_row"])
+    if "per_request_ms" not in values:  # a run from before the step clock: its paced rows were per-request timers
+        values["per_request_ms"], values["paced_ms"] = values["paced_ms"], []
     plan = Plan(**values)
-    return markdown(plan, data, data["summary"], [], markers=False)
+    # The rows' ratios again from the points (older runs' rows carry older labels); the goals as that run printed them.
+    summary = {**data["summary"], "rows": summarize(plan, data)["rows"]}
+    return markdown(plan, data, summary, [], markers=False)
 
 
 def plots(plan: Plan, data: dict[str, Any], out: Path) -> list[Path]:
@@ -1048,11 +1461,13 @@ def plots(plan: Plan, data: dict[str, Any], out: Path) -> list[Path]:
     from bench._plot import Panel, save_figure
 
     points = data["points"]
-    names = {"A": "A in-process worker", "B": "B sidecar", "C": "C engine ceiling", "R": "R reference sidecar"}
-    present = [p for p in "ABCR" if any(q["path"] == p for q in points)]
+    names = {"A": "A in-process worker", "B": "B sidecar", "C": "C engine ceiling", "R": "R reference sidecar",
+             "D": "D Dynamo's sidecar"}  # fmt: skip
+    present = [p for p in "ABDCR" if any(q["path"] == p for q in points)]
+    sidecars = [p for p in "BD" if p in present]
     sat_x = [str(c) for c in plan.concurrencies]
     paced = paced_rows(plan)
-    paced_x = [f"{r.pace_ms:g}ms c{r.concurrency}" for r in paced]
+    paced_x = [f"{r.pace_ms:g}ms{'' if r.clock == ENGINE_CLOCK else ' pr'} c{r.concurrency}" for r in paced]
 
     def sat(path: str, interval: int, key: str) -> list[float | None]:
         return [_get(_point(points, path, Row(interval, 0.0, c)), key) for c in plan.concurrencies]
@@ -1071,18 +1486,21 @@ def plots(plan: Plan, data: dict[str, Any], out: Path) -> list[Path]:
         ],
         "gaps": [
             Panel("Paced: gap between text events", "ms (log)", "ms/token, concurrency", paced_x,
-                  {f"{p} {q}": pac(p, f"gap_{q}_ms") for p in "AB" for q in ("p50", "p99")}, log_y=True),
+                  {f"{p} {q}": pac(p, f"gap_{q}_ms") for p in "AB" + "".join(sidecars[1:])
+                   for q in ("p50", "p99")}, log_y=True),
             Panel("Tokens per SSE event", "tokens", "ms/token, concurrency", paced_x,
-                  {names[p]: pac(p, "tokens_per_event") for p in "AB"}),
+                  {names[p]: pac(p, "tokens_per_event") for p in "AB" + "".join(sidecars[1:])}),
         ],
         "cpu": [
             Panel("Paced: CPU us per output token", "us/token", "ms/token, concurrency", paced_x,
-                  {"A worker": pac_cpu("A", "worker_a"), "B sidecar": pac_cpu("B", "sidecar")}),
+                  {"A worker": pac_cpu("A", "worker_a"), "B sidecar": pac_cpu("B", "sidecar"),
+                   **({"D Dynamo's sidecar": pac_cpu("D", "sidecar_d")} if "D" in present else {})}),
             Panel("Saturated: CPU us per output token", "us/token", "concurrency", sat_x,
                   {**{f"A worker, {i} tok/msg": [_cpu(_point(points, "A", Row(i, 0.0, c)), "worker_a")
                                                   for c in plan.concurrencies] for i in plan.intervals},
-                   **{f"B sidecar, {i} tok/msg": [_cpu(_point(points, "B", Row(i, 0.0, c)), "sidecar")
-                                                   for c in plan.concurrencies] for i in plan.intervals}}),
+                   **{f"{names[p]}, {i} tok/msg": [_cpu(_point(points, p, Row(i, 0.0, c)), OWN_PROCESS[p])
+                                                    for c in plan.concurrencies]
+                      for p in sidecars for i in plan.intervals}}),
         ],
     }  # fmt: skip
     paths = []
@@ -1106,15 +1524,25 @@ def print_report(plan: Plan, data: dict[str, Any], summary: dict[str, Any]) -> N
         print(goal["line"], flush=True)
 
 
-def update_docs(block: str) -> None:
+def update_docs(block: str, begin: str = BEGIN, end: str = END) -> None:
+    """Put ``block`` (from ``begin`` to ``end``) in place of the one docs/performance.md has, or at its end."""
     text = DOCS.read_text() if DOCS.exists() else "# Performance\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
         text = head + block + tail
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     DOCS.write_text(text)
+
+
+def dynamo_sidecar_missing() -> str | None:
+    """Why ``python -m dynamo.trtllm.sidecar`` cannot run here, in one line (``None``: it can)."""
+    try:
+        found = importlib.util.find_spec("dynamo.trtllm.sidecar") is not None
+    except ImportError as exc:
+        return f"dynamo.trtllm.sidecar cannot be imported ({exc})"
+    return None if found else "dynamo.trtllm.sidecar is not installed"
 
 
 def _git(*args: str) -> str:
@@ -1154,6 +1582,11 @@ def main(argv: list[str] | None = None) -> int:
         "rounds as B: the before/after of the sidecar in one run",
     )
     parser.add_argument(
+        "--no-dynamo-sidecar",
+        action="store_true",
+        help="leave out path D (Dynamo's own sidecar): every row runs without it, its goal lines say not measured",
+    )
+    parser.add_argument(
         "--render", type=Path, metavar="E2E_JSON", help="print the results block of a saved e2e.json (no run)"
     )
     args = parser.parse_args(argv)
@@ -1161,8 +1594,11 @@ def main(argv: list[str] | None = None) -> int:
         print(render(args.render))
         return 0
     plan = QUICK if args.quick else FULL
-    global PINNING, REF_TREE
+    global PINNING, REF_TREE, DYNAMO_MISSING
     REF_TREE = args.sidecar_tree
+    DYNAMO_MISSING = "left out (--no-dynamo-sidecar)" if args.no_dynamo_sidecar else dynamo_sidecar_missing()
+    if DYNAMO_MISSING is not None:
+        log(f"path D (Dynamo's own sidecar) not measured: {DYNAMO_MISSING}; the rows run without it")
     if args.pin:
         PINNING = Pinning.split()
         os.sched_setaffinity(0, PINNING.work)  # everything this process starts inherits it
@@ -1175,13 +1611,15 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     load_before = " ".join(f"{v:.2f}" for v in os.getloadavg())
     log(f"bench.e2e {'quick' if args.quick else 'full'}: saturated {plan.intervals} tok/msg × c {plan.concurrencies}, "
-        f"paced {plan.paced_ms} ms/token × c {plan.paced_concurrencies}; load average {load_before}"
+        f"one-token c {plan.one_token_concurrency}, paced {plan.paced_ms} ms/token on the engine step and "
+        f"{plan.per_request_ms} on per-request timers × c {plan.paced_concurrencies}; load average {load_before}"
         + (f"; pinned: {PINNING.describe()}" if PINNING is not None else ""))  # fmt: skip
     data = trio.run(run, plan, out)
     if PINNING is not None:
         data["pinning"] = PINNING.describe()
     if REF_TREE is not None:
         data["ref_tree"] = REF_TREE[0]
+    data["dynamo_missing"] = DYNAMO_MISSING
     data["plan"] = dataclasses.asdict(plan)
     data["date"] = time.strftime("%Y-%m-%d %H:%M")
     data["commit"] = _git("rev-parse", "--short", "HEAD")
@@ -1198,6 +1636,7 @@ def main(argv: list[str] | None = None) -> int:
     if documented and not args.no_docs:
         relative = [os.path.relpath(p, DOCS.parent) for p in images]
         update_docs(markdown(plan, data, summary, relative))
+        update_docs(dynamo_markdown(plan, data, summary), BEGIN_DYNAMO, END_DYNAMO)
         log(f"updated {DOCS}")
     print_report(plan, data, summary)
     return 1 if summary["bad_requests"] else 0
