@@ -222,9 +222,7 @@ def block(data: dict[str, Any]) -> str:
     for entry in data["scenarios"]:
         runs = entry["runs"]
         for row in entry["rows"]:
-            title = row["title"] if not row["title"] else f"{entry['title']}: {row['title']}"
-            title = title or entry["title"]
-            cells = [title]
+            cells = [f"{entry['title']}: {row['title']}" if row["title"] else entry["title"]]
             for part in ("saw", "timings"):
                 for side in SIDES:
                     got = row.get(side)
