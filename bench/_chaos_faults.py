@@ -46,7 +46,6 @@ from bench._chaos_topology import (
     AGG_WORKERS,
     FRONTENDS,
     LORA,
-    PD_MODEL,
     PD_WORKERS,
     Managed,
     Topology,
@@ -56,7 +55,6 @@ from bench._chaos_topology import (
     worker_state,
 )
 from tests.cluster.network import cut, mend
-from tests.helpers.stack import MODEL
 
 #: How a process that exited without a fault asking it to is reported (a violation: it did not survive).
 EXITED: Final = "exited by itself"
@@ -67,8 +65,6 @@ LEAD_S: Final = 5.0
 MONITOR_INTERVAL_S: Final = 0.25
 LORA_CHECK_INTERVAL_S: Final = 2.0
 
-#: What every frontend must list for the topology to be whole.
-MODELS: Final = frozenset({MODEL, LORA, PD_MODEL})
 #: kind → (weight with file discovery, weight with etcd).
 FAULT_KINDS: Final[dict[str, tuple[int, int]]] = {
     "engine_kill": (3, 3),
@@ -599,7 +595,7 @@ async def whole(state: ChaosState, http: httpx.AsyncClient) -> tuple[bool, dict[
         return False, states
     for frontend in topo.frontends.values():
         listed = await frontend_instances(http, frontend)
-        if listed is None or not ids <= listed or not await frontend_models(http, frontend) >= MODELS:
+        if listed is None or not ids <= listed or not await frontend_models(http, frontend) >= topo.models:
             return False, states
     return True, states
 
@@ -620,7 +616,7 @@ async def monitor(state: ChaosState, *, task_status: trio.TaskStatus[None] = tri
                 for rec in state.records:
                     if rec.lifted is not None and rec.recovered is None and rec.skipped is None:
                         rec.recovered = t
-            if t >= next_lora:
+            if t >= next_lora and topo.lora_root is not None:
                 next_lora = t + LORA_CHECK_INTERVAL_S
                 for name in AGG_WORKERS:
                     worker = topo.workers[name]

@@ -16,6 +16,12 @@ Layout::
 
 Every process life is kept (:class:`Life`): its log, when it started and ended and how, so that the checker can
 reconcile each sidecar run's counters with what the clients saw.
+
+The ``common`` topology (``--topology common``) is what both sidecars serve, so that Dynamo's own TensorRT-LLM
+sidecar (``--sidecar dynamo``: ``python -m dynamo.trtllm.sidecar``) runs the same soak as ours: every engine is
+``openengine-mock --profile trtllm`` (TensorRT-LLM's server: no KV events, no LoRA), the pair's sidecars are told
+their phase (``--disaggregation-mode``), and the frontends route round-robin (Dynamo's TensorRT-LLM sidecar
+documentation says not to use the KV router with it). No LoRA adapter, no KV event faults.
 """
 
 from __future__ import annotations
@@ -51,6 +57,10 @@ from tests.helpers.stack import MODEL, MODEL_DIR
 
 ControlPlane = Literal["file", "etcd"]
 NetworkMode = Literal["proxy", "netem"]
+#: Which sidecar the workers run: ours (``python -m sidecar``) or Dynamo's (``python -m dynamo.trtllm.sidecar``).
+SidecarKind = Literal["ours", "dynamo"]
+#: ``full``: the soak's own topology (ours only); ``common``: what both sidecars serve (see the module docstring).
+TopologyKind = Literal["full", "common"]
 
 #: The base model, its LoRA adapter and the disaggregated pair's model (its own namespace: its decode worker must not
 #: share an endpoint with the aggregated workers).
@@ -77,6 +87,9 @@ SIDECAR_FLAGS: Final = (
 )  # fmt: skip
 FRONTEND_FLAGS: Final = ("--router-mode", "kv")
 MIGRATION_LIMIT: Final = 3
+#: The common topology's engines: TensorRT-LLM's server as the mock plays it, the same model time and grace.
+COMMON_ENGINE_FLAGS: Final = ("--profile", "trtllm", "--decode-ms-per-token", "12", "--stop-grace-secs", "2")
+COMMON_AGG_ENGINE_FLAGS: Final = ("--faults-from-prompt",)
 
 _SERVING: Final = re.compile(r"worker \w+ -> serving")
 _WORKER_ID: Final = re.compile(r'worker_id="([0-9a-f]+)"')
@@ -111,6 +124,8 @@ class Managed:
     ready: Callable[[Process], Awaitable[bool]] | str | None = None
     ready_timeout: float = 90.0
     stop_grace: float = 10.0
+    #: The working directory (Dynamo's sidecar names its model after a relative ``--model-path``).
+    cwd: Path | None = None
     lives: list[Life] = field(default_factory=list)
     paused: bool = False
     _stack: AsyncExitStack | None = None
@@ -138,6 +153,7 @@ class Managed:
                     ready=self.ready if wait_ready else None,
                     ready_timeout=self.ready_timeout,
                     stop_grace=self.stop_grace,
+                    cwd=self.cwd,
                 )
             )
         except BaseException:
@@ -254,6 +270,21 @@ class Topology:
     lora_reloads: int = 0
     #: etcd's warm-up before the load (``fill_raft_log``): entries written, seconds taken.
     etcd_warm_up: tuple[int, float] | None = None
+    sidecar_kind: SidecarKind = "ours"
+    kind: TopologyKind = "full"
+
+    @property
+    def models(self) -> frozenset[str]:
+        """What every frontend must list for the topology to be whole."""
+        return frozenset({MODEL, PD_MODEL, *((LORA,) if self.kind == "full" else ())})
+
+    @property
+    def engine_flags(self) -> tuple[str, ...]:
+        return ENGINE_FLAGS if self.kind == "full" else COMMON_ENGINE_FLAGS
+
+    @property
+    def frontend_flags(self) -> tuple[str, ...]:
+        return FRONTEND_FLAGS if self.kind == "full" else ()
 
     # -- hosts and environment ----------------------------------------------------------------------------------
 
@@ -295,7 +326,7 @@ class Topology:
             return host.argv(
                 [
                     sys.executable, "-m", "dynamo.frontend", "--http-host", host.address, "--http-port", str(port),
-                    *self.plane_flags(), "--migration-limit", str(MIGRATION_LIMIT), *FRONTEND_FLAGS,
+                    *self.plane_flags(), "--migration-limit", str(MIGRATION_LIMIT), *self.frontend_flags,
                 ]
             )  # fmt: skip
 
@@ -320,7 +351,7 @@ class Topology:
                 [
                     sys.executable, "-m", "sidecar.testing.mock", "--host", engine_host.address,
                     "--port", str(engine_port), "--port-file", str(port_file), "--served-model-name", model,
-                    *ENGINE_FLAGS, *engine_args, *faults,
+                    *self.engine_flags, *engine_args, *faults,
                 ]
             )  # fmt: skip
 
@@ -351,6 +382,14 @@ class Topology:
             worker_link = NetemLink(engine_host.netns, f"{tag}-sw", f"p{index}")
 
         def sidecar_argv(_: int) -> list[str]:
+            if self.sidecar_kind == "dynamo":
+                # Named after --model-path as given: a relative path, a symlink in its working directory.
+                return host.argv(
+                    [
+                        sys.executable, "-m", "dynamo.trtllm.sidecar", "--grpc-endpoint", endpoint,
+                        "--model-path", model, *self.plane_flags(), *sidecar_args,
+                    ]
+                )  # fmt: skip
             return host.argv(
                 [
                     sys.executable, "-m", "sidecar", "--grpc-endpoint", endpoint, "--model-path", str(MODEL_DIR),
@@ -359,13 +398,15 @@ class Topology:
                 ]
             )  # fmt: skip
 
+        dynamo = self.sidecar_kind == "dynamo"
         sidecar = Managed(
             name,
             self.root,
             sidecar_argv,
             self.host_env(host, DYN_SYSTEM_PORT=str(system_port)),
-            ready="worker registering -> serving",
+            ready=f"Serving {re.escape(model)} on " if dynamo else "worker registering -> serving",
             stop_grace=15,
+            cwd=_model_links(self.root, model) if dynamo else None,
         )
         worker = Worker(name, sidecar, engine, host, system_port, endpoint, model, worker_link)
         self.workers[name] = worker
@@ -477,6 +518,16 @@ async def frontend_models(http: httpx.AsyncClient, frontend: Frontend) -> set[st
     return {str(m.get("id")) for m in models.get("data", []) if isinstance(m, dict)}
 
 
+def _model_links(root: Path, model: str) -> Path:
+    """A directory holding ``model`` → the test model (Dynamo's sidecar runs there with ``--model-path model``)."""
+    links = root / "models"
+    links.mkdir(exist_ok=True)
+    link = links / model
+    if not link.is_symlink():
+        link.symlink_to(MODEL_DIR)
+    return links
+
+
 def make_adapter(root: Path) -> Path:
     adapter = root / LORA
     adapter.mkdir(parents=True, exist_ok=True)
@@ -485,15 +536,23 @@ def make_adapter(root: Path) -> Path:
 
 
 def build(
-    root: Path, control_plane: ControlPlane, network: Network, network_mode: Literal["proxy", "netem"]
+    root: Path,
+    control_plane: ControlPlane,
+    network: Network,
+    network_mode: Literal["proxy", "netem"],
+    *,
+    sidecar: SidecarKind = "ours",
+    kind: TopologyKind = "full",
 ) -> Topology:
     """The topology's processes, not started (``start_all``); the control plane is started by the caller."""
     env = base_env(root)
     if control_plane == "etcd":
         env.update({"DYN_DISCOVERY_BACKEND": "etcd", "DYN_REQUEST_PLANE": "nats", "DYN_EVENT_PLANE": "nats"})
         env.pop("DYN_FILE_KV", None)
-    topo = Topology(root, control_plane, network, network_mode, env)
-    topo.lora_root = make_adapter(root / "loras")
+    topo = Topology(root, control_plane, network, network_mode, env, sidecar_kind=sidecar, kind=kind)
+    full = kind == "full"
+    if full:
+        topo.lora_root = make_adapter(root / "loras")
     for name in FRONTENDS:
         topo.add_frontend(name)
     for index, name in enumerate(AGG_WORKERS, start=1):
@@ -501,19 +560,22 @@ def build(
         topo.add_worker(
             name,
             engine_host,
-            engine_args=AGG_ENGINE_FLAGS,
-            sidecar_args=("--lora-root", str(topo.lora_root)),
+            engine_args=AGG_ENGINE_FLAGS if full else COMMON_AGG_ENGINE_FLAGS,
+            sidecar_args=("--lora-root", str(topo.lora_root)) if full else (),
             model=MODEL,
             link=network_mode,
         )
     pd_host = topo.host("pd")
     for name, role in zip(PD_WORKERS, ("prefill", "decode"), strict=True):
         extra = ("--kv-session-timeout", str(PD_SESSION_TIMEOUT_S)) if role == "prefill" else ()
+        # The full engine is given its role; TensorRT-LLM's reports none and its worker is told its phase.
+        engine_role = ("--role", role) if full else ()
+        phase = () if full else ("--disaggregation-mode", role)
         topo.add_worker(
             name,
             pd_host,
-            engine_args=("--role", role, *extra),
-            sidecar_args=("--namespace", PD_NAMESPACE),
+            engine_args=(*engine_role, *extra),
+            sidecar_args=("--namespace", PD_NAMESPACE, *phase),
             model=PD_MODEL,
             link="direct",
         )

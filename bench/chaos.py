@@ -4,6 +4,8 @@
     python -m bench.chaos --minutes 2 --seed 1 --control-plane etcd   # etcd + NATS (namespaces when root)
     python -m bench.chaos --minutes 3 --seed 1 --write-docs           # also update docs/faults.md
     python -m bench.chaos --minutes 60 --control-plane etcd --write-docs   # the hour (the etcd figures of the docs)
+    python -m bench.chaos --minutes 10 --sidecar dynamo --write-comparison # Dynamo's own sidecar, docs/comparison.md
+    python -m bench.chaos --minutes 10 --topology common --write-comparison   # ours on the same topology, beside it
 
 Topology (``bench._chaos_topology``): 2 Dynamo frontends (``--migration-limit 3``, KV router) × 3 aggregated
 workers, each an ``openengine-sidecar`` driving its own ``openengine-mock --profile full`` (KV events, LoRA), plus a
@@ -22,6 +24,14 @@ a verdict. The report (``bench._chaos_report``) is printed and ends with two ver
 the seed and the request's full transcript. Exit status 0 only with no violation, every post-condition met and
 resources flat; 2 for bad flags.
 
+``--sidecar dynamo`` runs Dynamo's own TensorRT-LLM sidecar (``python -m dynamo.trtllm.sidecar``) in every worker
+on the ``common`` topology (``bench._chaos_topology``: what both sidecars serve; ``--topology common`` runs ours on
+it), with the same load, faults, checker and post-conditions where they can see it from the outside. What cannot
+apply to Dynamo's sidecar is said in the report: the reconciliation of the sidecars' own counters (it logs no
+request ends and exports no outcome counters), the idle task counts (it has no task gauges); in their place every
+live run's Dynamo in-flight gauge must be 0 after the load (both sidecars, on the common topology).
+``--write-comparison`` puts the report into ``docs/comparison.md``, beside the other sidecar's.
+
 Bounded: every loop by count and time, every request by ``REQUEST_TIMEOUT_S``, every process stopped at the end
 (also on Ctrl-C or an error), nothing outside loopback or the project's network namespaces.
 """
@@ -32,6 +42,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -51,6 +62,7 @@ from bench._chaos_check import (
     Answer,
     End,
     LifeCounts,
+    Reconciliation,
     Verdict,
     frontend_abandoned,
     frontend_lost,
@@ -78,14 +90,15 @@ from bench._chaos_faults import (
 from bench._chaos_load import Behaviour, Template, Transcript, catalogue, send
 from bench._chaos_logs import Tally
 from bench._chaos_net import netem_unavailable
-from bench._chaos_report import Report, write_docs
+from bench._chaos_report import Report, comparison_markers, write_block, write_docs
 from bench._chaos_resources import HARNESS, Resources, Watched, sample, schedule
 from bench._chaos_topology import (
     AGG_WORKERS,
     LORA,
-    PD_MODEL,
     Managed,
+    SidecarKind,
     Topology,
+    TopologyKind,
     build,
     make_adapter,
     worker_instance,
@@ -93,10 +106,21 @@ from bench._chaos_topology import (
 from tests.cluster.network import Host, Network, netns_unavailable, open_network, partition_unavailable
 from tests.cluster.topology import CATCH_UP_ENTRIES, SNAPSHOT_COUNT, Cluster, missing_binaries
 from tests.helpers.processes import DynamoEnv, Process, base_env, free_low_port, start_frontend
-from tests.helpers.stack import MODEL, engine_load, mock_stats, start_engine, start_sidecar
+from tests.helpers.stack import (
+    MODEL,
+    dynamo_sidecar_missing,
+    engine_load,
+    mock_stats,
+    start_dynamo_sidecar,
+    start_engine,
+    start_sidecar,
+)
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 DOCS: Final = ROOT / "docs" / "faults.md"
+COMPARISON: Final = ROOT / "docs" / "comparison.md"
+#: What Dynamo's sidecar serves nothing of: the templates of the common topology leave them out.
+_COMMON_LEAVES_OUT: Final = "LoRA and n > 1"
 CLIENTS: Final = 8
 #: Bound on the requests one client sends (the deadline ends the loop first in any sane run).
 MAX_REQUESTS_PER_CLIENT: Final = 5000
@@ -133,6 +157,9 @@ class Args:
     report: Path | None
     write_docs: bool
     log_dir: Path | None
+    sidecar: SidecarKind = "ours"
+    topology: TopologyKind = "full"
+    write_comparison: bool = False
 
 
 class _Parser(argparse.ArgumentParser):
@@ -159,12 +186,35 @@ def parse_args(argv: Sequence[str]) -> Args:
         type=Path,
         help="keep every process log here (default: a temporary directory, kept and named only if the run fails)",
     )
+    parser.add_argument(
+        "--sidecar",
+        choices=("ours", "dynamo"),
+        default="ours",
+        help="the workers' sidecar: ours, or Dynamo's own TensorRT-LLM sidecar (python -m dynamo.trtllm.sidecar)",
+    )
+    parser.add_argument(
+        "--topology",
+        choices=("full", "common"),
+        help="full: the soak's own (LoRA, KV events, the KV router; ours only); common: what both sidecars serve "
+        "(TensorRT-LLM's engines, round-robin; the default with --sidecar dynamo)",
+    )
+    parser.add_argument(
+        "--write-comparison", action="store_true", help="write the report into docs/comparison.md (its sidecar's block)"
+    )
     ns = parser.parse_args(argv)
     if not 0.5 <= ns.minutes <= 120:
         parser.error(f"--minutes {ns.minutes:g}: must be between 0.5 and 120")
     if ns.report is not None and not ns.report.parent.is_dir():
         parser.error(f"--report {ns.report}: directory {ns.report.parent} does not exist")
-    return Args(ns.minutes, ns.seed, ns.control_plane, ns.network, ns.report, ns.write_docs, ns.log_dir)
+    topology: TopologyKind = ns.topology or ("common" if ns.sidecar == "dynamo" else "full")
+    if ns.sidecar == "dynamo" and topology == "full":
+        parser.error("--sidecar dynamo --topology full: Dynamo's sidecar serves no LoRA and no KV events; use common")
+    if ns.write_docs and topology != "full":
+        parser.error("--write-docs: docs/faults.md holds ours on the full topology; use --write-comparison")
+    return Args(
+        ns.minutes, ns.seed, ns.control_plane, ns.network, ns.report, ns.write_docs, ns.log_dir, ns.sidecar, topology,
+        ns.write_comparison,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------- network
@@ -199,26 +249,38 @@ def open_hosts(control_plane: str, mode: str) -> Iterator[Network]:
 # ---------------------------------------------------------------------------------------------------- reference
 
 
-async def references(templates: list[Template], root: Path) -> dict[str, Answer]:
-    """Every template's answer from a fault-free stack of its own (a frontend, a sidecar, a mock without prompt
-    directives, the LoRA adapter loaded), asked twice: both answers must agree and be complete."""
+async def references(
+    templates: list[Template], root: Path, sidecar: SidecarKind = "ours", kind: TopologyKind = "full"
+) -> dict[str, Answer]:
+    """Every template's answer from a fault-free stack of its own (a frontend, a sidecar of the run's kind, a mock
+    without prompt directives, the LoRA adapter loaded on the full topology), asked twice: both answers must agree and
+    be complete."""
     ref_root = root / "reference"
     ref_root.mkdir()
     denv = DynamoEnv(ref_root, base_env(ref_root))
-    engine_flags = ("--profile", "full", "--kv-events", "grpc", "--capability", "lora=true", "--speedup", "0")
     answers: dict[str, Answer] = {}
-    lora_root = make_adapter(ref_root / "loras")
-    async with (
-        start_frontend(denv, ready_timeout=120) as frontend,
-        start_engine(denv, *engine_flags, name="ref-engine") as engine,
-        start_sidecar(denv, engine.address, "--lora-root", str(lora_root), name="ref-sidecar") as worker,
-        httpx.AsyncClient(timeout=60) as http,
-    ):
-        body = {"lora_name": LORA, "source_path": str(lora_root / LORA)}
-        loaded = (await http.post(f"{worker.system_url}/engine/load_lora", json=body)).json()
-        if loaded.get("status") != "ok":
-            raise RuntimeError(f"reference stack: loading {LORA} failed: {loaded}")
-        await _wait_serves(http, frontend.url, [MODEL, LORA], own=set())
+    async with AsyncExitStack() as stack:
+        frontend = await stack.enter_async_context(start_frontend(denv, ready_timeout=120))
+        http = await stack.enter_async_context(httpx.AsyncClient(timeout=60))
+        if kind == "full":
+            engine_flags = ("--profile", "full", "--kv-events", "grpc", "--capability", "lora=true", "--speedup", "0")
+            engine = await stack.enter_async_context(start_engine(denv, *engine_flags, name="ref-engine"))
+            lora_root = make_adapter(ref_root / "loras")
+            worker = await stack.enter_async_context(
+                start_sidecar(denv, engine.address, "--lora-root", str(lora_root), name="ref-sidecar")
+            )
+            body = {"lora_name": LORA, "source_path": str(lora_root / LORA)}
+            loaded = (await http.post(f"{worker.system_url}/engine/load_lora", json=body)).json()
+            if loaded.get("status") != "ok":
+                raise RuntimeError(f"reference stack: loading {LORA} failed: {loaded}")
+            await _wait_serves(http, frontend.url, [MODEL, LORA], own=set())
+        else:
+            engine = await stack.enter_async_context(
+                start_engine(denv, "--profile", "trtllm", "--speedup", "0", name="ref-engine")
+            )
+            start = start_dynamo_sidecar if sidecar == "dynamo" else start_sidecar
+            await stack.enter_async_context(start(denv, engine.address, name="ref-sidecar"))
+            await _wait_serves(http, frontend.url, [MODEL], own=set())
         for template in templates:
             first = await _reference_answer(http, frontend.url, template)
             second = await _reference_answer(http, frontend.url, template)
@@ -229,6 +291,15 @@ async def references(templates: list[Template], root: Path) -> dict[str, Answer]
                 raise RuntimeError(f"reference for {template.name}: logprobs not reproducible")
             answers[template.name] = first
     return answers
+
+
+def templates_for(seed: int, kind: TopologyKind) -> list[Template]:
+    """The run's templates: the seed's whole catalogue on the full topology; on the common one, those both sidecars
+    serve (no LoRA adapter, one choice: Dynamo's TensorRT-LLM sidecar refuses ``n > 1``)."""
+    templates = catalogue(seed)
+    if kind == "full":
+        return templates
+    return [t for t in templates if t.model_kind != "lora" and t.n == 1]
 
 
 async def _reference_answer(http: httpx.AsyncClient, url: str, template: Template) -> Answer:
@@ -370,9 +441,14 @@ async def soak(args: Args) -> Report:
     mode, note = choose_network(args)
     if args.control_plane == "etcd" and missing_binaries():
         raise ChaosUnavailable(f"--control-plane etcd needs {' and '.join(missing_binaries())}")
-    templates = catalogue(args.seed)
+    if args.sidecar == "dynamo" and (missing := dynamo_sidecar_missing()) is not None:
+        raise ChaosUnavailable(missing)
+    templates = templates_for(args.seed, args.topology)
     faults = plan(args.seed, load_s, args.control_plane)
-    print(f"bench.chaos: seed {args.seed}, {len(templates)} templates, {len(faults)} planned faults, {mode} ({note})")
+    print(
+        f"bench.chaos: seed {args.seed}, {len(templates)} templates, {len(faults)} planned faults, {mode} ({note}); "
+        f"{args.sidecar} sidecar, {args.topology} topology"
+    )
     root = Path(tempfile.mkdtemp(prefix="oe-chaos-"))
     report: Report | None = None
     try:
@@ -400,12 +476,20 @@ async def run(args: Args) -> int:
     print(report.table())
     if args.report is not None:
         args.report.write_text(json.dumps(report.to_json(), indent=1, default=str))
+    command = f"python -m bench.chaos --minutes {args.minutes:g} --seed {args.seed}"
+    if args.control_plane != "file":
+        command += f" --control-plane {args.control_plane}"
     if args.write_docs:
-        command = f"python -m bench.chaos --minutes {args.minutes:g} --seed {args.seed}"
-        if args.control_plane != "file":
-            command += f" --control-plane {args.control_plane}"
         write_docs(DOCS, args.control_plane, report.docs_section(command))
         print(f"bench.chaos: wrote the chaos section of {DOCS.relative_to(ROOT)}")
+    if args.write_comparison:
+        if args.sidecar != "ours":
+            command += f" --sidecar {args.sidecar}"
+        elif args.topology != "full":
+            command += f" --topology {args.topology}"
+        markers = comparison_markers(args.sidecar, args.topology, args.control_plane)
+        write_block(COMPARISON, markers, report.docs_section(command, markers))
+        print(f"bench.chaos: wrote the {args.sidecar} sidecar's chaos block of {COMPARISON.relative_to(ROOT)}")
     return 0 if report.ok else 1
 
 
@@ -420,9 +504,10 @@ async def _run(
     load_s: float,
     started: float,
 ) -> Report:
-    topo = build(root, args.control_plane, network, mode)
-    for name in AGG_WORKERS:
-        topo.workers[name].engine.kv_faults = {life: kv_faults(args.seed, name, life) for life in range(1, 200)}
+    topo = build(root, args.control_plane, network, mode, sidecar=args.sidecar, kind=args.topology)
+    if args.topology == "full":  # TensorRT-LLM's engines of the common topology publish no KV events
+        for name in AGG_WORKERS:
+            topo.workers[name].engine.kv_faults = {life: kv_faults(args.seed, name, life) for life in range(1, 200)}
     own_ids: set[str] = set()
     async with AsyncExitStack() as stack:
         nursery = await stack.enter_async_context(trio.open_nursery())
@@ -470,6 +555,8 @@ async def _run(
 
             postconditions = await _heal(state)
             monitor_scope.cancel()  # nothing restarts from here on
+            if topo.kind == "common":
+                postconditions.append(await _nothing_in_flight(topo))
             if topo.cluster is not None:
                 postconditions.append(await _discovery_settled(topo, expected_sets))
             await sample(resources.processes, state.clock(), "idle-end", probe)
@@ -483,18 +570,37 @@ async def _run(
                     attempts.setdefault(end.request_id, []).append(end)
         verdicts = _excuse_migrations(topo, load, attempts, tally)
         frontend_logs = [life.process.log_path for f in topo.frontends.values() for life in f.managed.lives]
-        # A second read of the frontends' logs (the first, for migrations): unknown lines are counted there.
-        reconciliation = reconcile(lives, verdicts, own_ids, frontend_abandoned(frontend_logs, Tally()))
-        migrated = sum(
-            1
-            for _, verdict, seen in verdicts
-            if verdict.kind == "migrated_prompt_tokens"
-            or (
-                verdict.outcome == "complete"
-                and seen is not None
-                and sum(len(attempts.get(rid, [])) for rid in request_ids(seen)) > 1
+        extra: dict[str, Any] = {"etcd_warm_up": topo.etcd_warm_up, "sidecar": args.sidecar, "topology": topo.kind}
+        if args.sidecar == "dynamo":
+            reconciliation = _not_reconciled(lives, verdicts)
+            extra["reconciliation_note"] = NOT_RECONCILED
+        else:
+            # A second read of the frontends' logs (the first, for migrations): unknown lines are counted there.
+            reconciliation = reconcile(lives, verdicts, own_ids, frontend_abandoned(frontend_logs, Tally()))
+        if topo.kind == "common":
+            # Counted the same way for both sidecars: from the frontends' own migration records.
+            complete_ids = {
+                rid for _, v, seen in verdicts if v.outcome == "complete" and seen for rid in request_ids(seen)
+            }
+            moved = frontend_migrations(frontend_logs, complete_ids, Tally())
+            migrated = sum(
+                1
+                for _, v, seen in verdicts
+                if v.outcome == "complete" and seen is not None and request_ids(seen) & set(moved)
             )
-        )
+            extra["migrations_from"] = "frontend"
+        else:
+            migrated = sum(
+                1
+                for _, verdict, seen in verdicts
+                if verdict.kind == "migrated_prompt_tokens"
+                or (
+                    verdict.outcome == "complete"
+                    and seen is not None
+                    and sum(len(attempts.get(rid, [])) for rid in request_ids(seen)) > 1
+                )
+            )
+        extra["complete_after_migration"] = migrated
         kv_records = observed_kv_faults(topo, lambda unix: unix - wall0, tally)
         report = Report(
             seed=args.seed,
@@ -509,7 +615,7 @@ async def _run(
             anomalies=state.anomalies,
             lora_reloads=topo.lora_reloads,
             elapsed_s=time.monotonic() - started,
-            extra={"complete_after_migration": migrated, "etcd_warm_up": topo.etcd_warm_up},
+            extra=extra,
             resources=resources,
             unknown_lines=tally,
         )
@@ -557,19 +663,19 @@ async def _start(
     refs: dict[str, Answer] = {}
 
     async def reference_task() -> None:
-        refs.update(await references(templates, root))
+        refs.update(await references(templates, root, args.sidecar, args.topology))
 
     with trio.fail_after(STARTUP_TIMEOUT_S):
         async with trio.open_nursery() as startup:
             startup.start_soon(reference_task)
             startup.start_soon(topo.start_all)
         async with httpx.AsyncClient(timeout=30) as http:
-            for name in AGG_WORKERS:
+            for name in AGG_WORKERS if topo.lora_root is not None else ():
                 answer = await topo.load_lora(topo.workers[name])
                 if answer.get("status") != "ok":
                     raise RuntimeError(f"loading {LORA} on {name}: {answer}")
             for frontend in topo.frontends.values():
-                await _wait_serves(http, frontend.url, [MODEL, LORA, PD_MODEL], own_ids)
+                await _wait_serves(http, frontend.url, sorted(topo.models), own_ids)
     return refs
 
 
@@ -638,7 +744,9 @@ def watched(topo: Topology, mono0: float) -> list[Watched]:
 
         return current
 
-    out = [Watched(f"sidecar {name}", "sidecar", of(w.sidecar), f"{w.system_url}/metrics")
+    # Dynamo's sidecar has no task gauges: its processes are sampled from /proc alone.
+    metrics = topo.sidecar_kind == "ours"
+    out = [Watched(f"sidecar {name}", "sidecar", of(w.sidecar), f"{w.system_url}/metrics" if metrics else None)
            for name, w in topo.workers.items()]  # fmt: skip
     out += [Watched(f"engine {name}", "engine", of(w.engine.managed)) for name, w in topo.workers.items()]
     out += [Watched(f"frontend {name}", "frontend", of(f.managed)) for name, f in topo.frontends.items()]
@@ -696,6 +804,49 @@ async def _final_counts(topo: Topology, tally: Tally) -> list[LifeCounts]:
                     LifeCounts(name, life.number, life.end, metrics, counts, finished, ends, killed, instances)
                 )
     return lives
+
+
+#: Why the sidecars' counters are not reconciled with what the clients saw when the workers run Dynamo's sidecar.
+NOT_RECONCILED: Final = (
+    "not reconciled: Dynamo's sidecar logs no request end and exports no counter by outcome, so which run finished "
+    "which request cannot be known from outside it; in their place every live run's Dynamo in-flight gauge must be "
+    "0 after the load (a post-condition above, for both sidecars on this topology)"
+)
+
+
+def _not_reconciled(
+    lives: list[LifeCounts], verdicts: Sequence[tuple[Transcript, Verdict, Answer | None]]
+) -> Reconciliation:
+    """The reconciliation's figures that the clients alone give (complete answers per model kind), no problem."""
+    complete: Counter[str] = Counter(t.template.model_kind for t, v, _ in verdicts if v.outcome == "complete")
+    explained = {"own": 0, "client_left": 0, "complete": sum(complete.values()), "rerouted": 0}
+    return Reconciliation(lives, [], complete, Counter(), explained)
+
+
+#: Dynamo's runtime gauge of the requests a worker's endpoint is handling (ours and Dynamo's sidecar both carry it).
+_INFLIGHT = re.compile(r"^dynamo_component_inflight_requests(?:\{[^}]*\})? (\S+)$", re.M)
+
+
+async def _nothing_in_flight(topo: Topology) -> tuple[str, bool, str]:
+    """After the load, every live sidecar run's Dynamo in-flight gauge is 0 (waited for, bounded): no request is
+    stuck in a worker whatever the engine says."""
+    detail: dict[str, str] = {}
+    with trio.move_on_after(QUIESCE_TIMEOUT_S):
+        async with httpx.AsyncClient(timeout=5) as http:
+            while True:
+                for name, worker in topo.workers.items():
+                    try:
+                        page = (await http.get(f"{worker.system_url}/metrics")).text
+                    except httpx.HTTPError as exc:
+                        detail[name] = type(exc).__name__
+                        continue
+                    values = [float(v) for v in _INFLIGHT.findall(page)]
+                    detail[name] = f"{sum(values):g}" if values else "no gauge"
+                if all(v == "0" for v in detail.values()):
+                    break
+                await trio.sleep(0.5)
+    ok = all(v == "0" for v in detail.values())
+    return "every live sidecar run's Dynamo in-flight gauge is 0", ok, str(detail)
 
 
 async def _stop_control_plane(cluster: Cluster) -> None:
