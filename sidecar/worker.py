@@ -575,7 +575,9 @@ async def _cancel_on(event: trio.Event, scope: trio.CancelScope) -> None:
 
 
 # Dynamo binds its request plane to the first non-loopback address and its system server to 0.0.0.0 unless told
-# otherwise. Every listener of ours is loopback unless the operator says so (multi-host deployments set these).
+# otherwise. Every listener of ours is loopback unless the operator says so -- but for the planes other hosts must
+# dial (REACHED_BY_PEERS) once discovery spans hosts: there a loopback address would be advertised to frontends in
+# other pods, which cannot reach it.
 LOOPBACK_DEFAULTS: Final = {
     "DYN_TCP_RPC_HOST": "127.0.0.1",
     "DYN_SYSTEM_HOST": "127.0.0.1",
@@ -584,9 +586,18 @@ LOOPBACK_DEFAULTS: Final = {
 }
 
 
-def apply_loopback_defaults(environ: MutableMapping[str, str]) -> list[str]:
-    """Default every Dynamo listener of this process to loopback; returns the variables it set."""
-    applied = [name for name in LOOPBACK_DEFAULTS if not environ.get(name)]
+#: The addresses Dynamo advertises in discovery for frontends and routers to dial: the request plane (TCP) and the
+#: ZMQ event plane (KV events, load).
+REACHED_BY_PEERS: Final = frozenset({"DYN_TCP_RPC_HOST", "DYN_EVENT_PLANE_HOST"})
+#: Discovery backends whose peers all run on this host (a file store, this process).
+HOST_LOCAL_DISCOVERY: Final = frozenset({"file", "mem"})
+
+
+def apply_loopback_defaults(environ: MutableMapping[str, str], discovery_backend: str = "file") -> list[str]:
+    """Default Dynamo's listeners of this process to loopback; returns the variables it set. With discovery that
+    spans hosts (etcd, kubernetes) the advertised planes keep Dynamo's own default, the host's address."""
+    local = discovery_backend in HOST_LOCAL_DISCOVERY
+    applied = [name for name in LOOPBACK_DEFAULTS if not environ.get(name) and (local or name not in REACHED_BY_PEERS)]
     for name in applied:
         environ[name] = LOOPBACK_DEFAULTS[name]
     return applied
@@ -609,7 +620,7 @@ def disable_dynamo_canary(environ: MutableMapping[str, str]) -> bool:
 
 def run_worker(config: SidecarConfig) -> int:
     """Run the worker until it drains (0) or refuses/fails (1)."""
-    apply_loopback_defaults(os.environ)
+    apply_loopback_defaults(os.environ, config.discovery_backend)
     canary_disabled = disable_dynamo_canary(os.environ)
     # The HTTP/2 layer's tunings of grpclib and hyperframe, process-wide: this process is the worker's alone
     # (docs/performance.md, "HTTP/2 layer tunings").

@@ -163,6 +163,21 @@ def test_every_dynamo_listener_defaults_to_loopback_unless_set() -> None:
     assert all(env[name] == "127.0.0.1" for name in applied)
 
 
+@pytest.mark.parametrize("backend", ["kubernetes", "etcd"])
+def test_the_planes_other_hosts_dial_are_not_loopback_when_discovery_spans_hosts(backend: str) -> None:
+    """With etcd or Kubernetes discovery a frontend in another pod dials the address this worker advertises: a
+    loopback default would make the worker unreachable (the manifests set only DYN_SYSTEM_HOST). Failed before: the
+    request and event planes were 127.0.0.1 whatever the discovery."""
+    from sidecar.worker import apply_loopback_defaults
+
+    env: dict[str, str] = {}
+    applied = apply_loopback_defaults(env, backend)
+    assert "DYN_TCP_RPC_HOST" not in env
+    assert "DYN_EVENT_PLANE_HOST" not in env
+    assert env["DYN_SYSTEM_HOST"] == "127.0.0.1"  # the operator opens the system port (the manifests do)
+    assert set(applied) == {"DYN_SYSTEM_HOST", "DYN_TCP_RESPONSE_STREAM_HOST"}
+
+
 class _Engine:
     """Discovery's two RPCs, answered from fixed messages."""
 
