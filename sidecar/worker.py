@@ -219,6 +219,7 @@ class Worker:
                     try:
                         deadline = trio.current_time() + config.grpc_startup_deadline_s
                         life.fire("connect", reason=config.grpc_endpoint)
+                        await watch.wait_listening(deadline)
                         server = await client.wait_connected(deadline)
                         life.fire("connected")
                         first = await watch.discover_until_ready(deadline, server=server)

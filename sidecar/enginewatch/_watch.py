@@ -129,6 +129,21 @@ class EngineWatch:
 
     # ------------------------------------------------------------------ discovery
 
+    async def wait_listening(self, deadline: float) -> None:
+        """Start-up's cheap half of waiting for the engine: while nothing accepts connections on its address, a
+        connect every :data:`PROBE_INTERVAL_S` and nothing else, so the first GetServerInfo goes out within moments
+        of the engine listening rather than wherever ``--grpc-retry-interval-secs`` stands; returns once a connect is
+        accepted (or not refused: a silent host is left to the gRPC attempts) or at ``deadline``."""
+        logged = False
+        while trio.current_time() < deadline:
+            if await self.probe.accepts(self._probe_timeout_s) is not False:
+                return
+            if not logged:
+                log.info("engine not accepting connections at %s yet: probing every %.0f ms", self.probe.endpoint,
+                         PROBE_INTERVAL_S * 1000)  # fmt: skip
+                logged = True
+            await trio.sleep(min(PROBE_INTERVAL_S, max(0.0, deadline - trio.current_time())))
+
     async def discover_until_ready(self, deadline: float, *, server: ServerInfo | None = None) -> Discovery:
         """discovering → waiting_ready → registering: discover, wait for READY, and when the engine was not READY at
         once, discover again and compare (an engine still loading may report other limits once it is ready).
