@@ -524,6 +524,11 @@ class Worker:
                     return True
             except EngineRpcError as exc:
                 last = str(exc)
+                if self.watch is not None and not await self.watch.listening():
+                    # The engine runs beside this worker: nothing accepting on its address means no engine process,
+                    # and nothing of ours left running on one.
+                    log.info("engine quiescent: nothing listens at %s (%s)", self.config.grpc_endpoint, last)
+                    return True
             if trio.current_time() >= deadline:
                 log.error("drain could not confirm engine quiescence: %s", last)
                 return False

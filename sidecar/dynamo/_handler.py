@@ -395,18 +395,18 @@ class _PushReader:
     """Push mode: the async iterator Dynamo advances once per request; its one ``__anext__`` ends (raises) when
     everything has been sent. Held only by Dynamo, as :class:`_Reader` is (its finalizer stops the request)."""
 
-    __slots__ = ("_outbox",)
+    __slots__ = ("_event_loop", "_outbox")
 
-    def __init__(self, outbox: _Outbox) -> None:
+    def __init__(self, outbox: _Outbox, loop: asyncio.AbstractEventLoop) -> None:
         self._outbox = outbox
+        self._event_loop = loop
 
     def __aiter__(self) -> _PushReader:
         return self
 
     def __anext__(self) -> asyncio.Future[dict[str, Any]]:
-        outbox = self._outbox
-        reader: asyncio.Future[dict[str, Any]] = outbox._loop.create_future()
-        outbox._loop.call_soon_threadsafe(outbox.park_push, reader)
+        reader: asyncio.Future[dict[str, Any]] = self._event_loop.create_future()
+        self._event_loop.call_soon_threadsafe(self._outbox.park_push, reader)
         return reader
 
     async def aclose(self) -> None:
@@ -459,7 +459,7 @@ def make_handler(
             return generate_pull(request, context)
         outbox = _Outbox(loop, response_sender, egress)
         loop.call_soon_threadsafe(_start, outbox, request, context)
-        return _PushReader(outbox)
+        return _PushReader(outbox, loop)
 
     def _start(outbox: _Outbox, request: dict[str, Any], context: Context) -> None:
         try:

@@ -129,6 +129,10 @@ class EngineWatch:
 
     # ------------------------------------------------------------------ discovery
 
+    async def listening(self) -> bool:
+        """Whether anything accepts connections on the engine's address (a silent host counts as listening)."""
+        return await self.probe.accepts(self._probe_timeout_s) is not False
+
     async def wait_listening(self, deadline: float) -> None:
         """Start-up's cheap half of waiting for the engine: while nothing accepts connections on its address, a
         connect every :data:`PROBE_INTERVAL_S` and nothing else, so the first GetServerInfo goes out within moments

@@ -112,3 +112,22 @@ async def _engine_running(address: str) -> int:
 
 async def _running_at_least(address: str, count: int) -> bool:
     return await _engine_running(address) >= count
+
+
+async def test_sigterm_while_the_engine_is_gone_exits_0(dynamo_env: DynamoEnv, frontend: Frontend) -> None:
+    """The engine runs beside the worker: with nothing accepting on its address there is no engine process and
+    nothing of ours left on one, so the drain is clean (exit 0, as Dynamo's sidecar exits). Failed before: GetLoad's
+    UNAVAILABLE read as "could not confirm engine quiescence" and the worker exited 1 (bench.compare)."""
+    with trio.fail_after(120):
+        async with (
+            start_engine(dynamo_env, "--speedup", "0") as engine,
+            start_sidecar(dynamo_env, engine.address) as worker,
+        ):
+            await wait_routable(frontend.url, workers=1)
+            engine.process.signal(signal.SIGKILL)
+            await worker.process.wait_for_log(r"-> reconnecting", timeout=15)
+            worker.process.signal(signal.SIGTERM)
+            with trio.fail_after(30):
+                await worker.process.proc.wait()
+            assert worker.process.returncode == 0
+            await worker.process.wait_for_log("engine quiescent: nothing listens", timeout=1)
