@@ -855,7 +855,8 @@ async def run(plan: Plan, out: Path, memory_only: bool = False) -> dict[str, Any
             blocks: list[tuple[int, float, str, list[Row]]] = []
             if not memory_only:
                 blocks += [(i, 0.0, "", [r for r in saturated_rows(plan) if r.interval == i]) for i in plan.intervals]
-                blocks[0][3].extend(one_token_rows(plan))  # on the first saturated engine (1 token per message)
+                if blocks:
+                    blocks[0][3].extend(one_token_rows(plan))  # on the first saturated engine (1 token per message)
                 blocks += [(1, ms, clock, [r for r in paced_rows(plan) if (r.pace_ms, r.clock) == (ms, clock)])
                            for clock, shapes in ((ENGINE_CLOCK, plan.paced_ms), (PER_REQUEST, plan.per_request_ms))
                            for ms in shapes]  # fmt: skip

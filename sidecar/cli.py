@@ -318,6 +318,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         dynamo,
+        "--dynamo-egress",
+        "DYN_SIDECAR_DYNAMO_EGRESS",
+        "how chunks reach Dynamo: push = through Dynamo's ResponseSender (one handoff per chunk, no thread crossing "
+        "on the loop; docs/architecture.md, push egress); pull = Dynamo's threads take each chunk from the handler's "
+        "iterator (two GIL crossings and a loop wakeup per chunk, the path before issue 37)",
+        default="push",
+        choices=("push", "pull"),
+    )
+    add(
+        dynamo,
         "--event-plane",
         "DYN_EVENT_PLANE",
         "event plane for KV events: zmq (advertised as DYN_EVENT_PLANE_HOST) or nats (NATS_SERVER); must match the "
@@ -428,6 +438,16 @@ def build_parser() -> argparse.ArgumentParser:
         "OpenEngine server ignores it and detokenizes anyway (its newer revisions honour it)",
         default="auto",
         choices=("auto", "on", "off"),
+    )
+    add(
+        lifecycle,
+        "--cpu-scheduling",
+        "DYN_SIDECAR_CPU_SCHEDULING",
+        "Linux scheduling policy of the worker's threads: batch = SCHED_BATCH (a thread woken by another of the worker "
+        "does not preempt it: a decode step's hand-overs from the edge loop to Dynamo's threads run as one burst, "
+        "about a fifth less CPU per token at an engine's pace, docs/performance.md); normal = SCHED_OTHER",
+        default="batch",
+        choices=("batch", "normal"),
     )
     add(
         lifecycle,
@@ -798,6 +818,8 @@ def _validate(ns: argparse.Namespace) -> SidecarConfig:
         dynamo_system_port=dynamo_system_port,
         grpc_receive=ns.grpc_receive,
         response_plane=ns.response_plane,
+        dynamo_egress=ns.dynamo_egress,
+        cpu_scheduling=ns.cpu_scheduling,
         custom_jinja_template=_custom_template(ns.custom_jinja_template),
         exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none == "true",
         default_thinking_mode=ns.dyn_default_thinking_mode,

@@ -93,6 +93,8 @@ class SidecarConfig:
     model_path_given: str = ""
     #: Dynamo's response plane (``tcp`` or ``quic``); the frontends must use the same.
     response_plane: Literal["tcp", "quic"] = "tcp"
+    dynamo_egress: Literal["push", "pull"] = "push"
+    cpu_scheduling: Literal["batch", "normal"] = "batch"
     #: A chat template for the model card, used by the frontend instead of the model's own.
     custom_jinja_template: Path | None = None
     #: The card tells the frontend to leave tools out of the chat template when ``tool_choice`` is ``none``.

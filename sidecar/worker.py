@@ -107,6 +107,7 @@ def _dynamo_settings(config: SidecarConfig, role: str) -> DynamoSettings:
         request_plane=config.request_plane,  # type: ignore[arg-type]
         event_plane=config.event_plane,  # type: ignore[arg-type]
         response_plane=config.response_plane,
+        egress=config.dynamo_egress,
         namespace=config.namespace,
         component=component,
         endpoint=config.endpoint,
@@ -624,8 +625,21 @@ def disable_dynamo_canary(environ: MutableMapping[str, str]) -> bool:
     return False
 
 
+def apply_cpu_scheduling(policy: str) -> str | None:
+    """Give this thread -- and so every thread it starts later: the edge loop, trio's, Dynamo's runtime -- the
+    scheduling policy ``policy``; returns why it could not, or None. Called before any of them exists."""
+    if policy == "normal":
+        return None
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError) as exc:  # not Linux, or a seccomp profile refusing it
+        return f"SCHED_BATCH unavailable ({exc}); the worker's threads keep the default policy"
+    return None
+
+
 def run_worker(config: SidecarConfig) -> int:
     """Run the worker until it drains (0) or refuses/fails (1)."""
+    scheduling_problem = apply_cpu_scheduling(config.cpu_scheduling)
     apply_loopback_defaults(os.environ, config.discovery_backend)
     canary_disabled = disable_dynamo_canary(os.environ)
     # The HTTP/2 layer's tunings of grpclib and hyperframe, process-wide: this process is the worker's alone
@@ -633,6 +647,8 @@ def run_worker(config: SidecarConfig) -> int:
     apply_tunings()
     worker = Worker(config)
     logs.configure_logging(config.log_level, "json" if config.log_format == "json" else "text", worker.lifecycle)
+    if scheduling_problem is not None:
+        log.warning("%s", scheduling_problem)
     if canary_disabled:
         log.warning(
             "DYN_HEALTH_CHECK_ENABLED=true ignored: /health follows the worker state (the sidecar polls the engine's "

@@ -34,6 +34,9 @@ class DynamoSettings:
     request_plane: Literal["tcp", "nats"] = "tcp"
     event_plane: Literal["zmq", "nats"] = "zmq"
     response_plane: Literal["tcp", "quic"] = "tcp"
+    #: push: chunks through Dynamo's ResponseSender (sidecar.dynamo._egress); pull: Dynamo takes them from the
+    #: iterator the handler returns.
+    egress: Literal["push", "pull"] = "push"
     namespace: str = "dynamo"
     component: str = "backend"
     endpoint: str = "generate"

@@ -669,7 +669,7 @@ class DynamoWorker:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        generate, egress = make_handler(self._edge, nursery, handler)
+        generate, egress = make_handler(self._edge, nursery, handler, push=self._settings.egress == "push")
         try:
             async with trio.open_nursery() as inner:
 

@@ -11,9 +11,11 @@ the engine's own view (GetLoad) is read with the project's OpenEngine client.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -43,6 +45,7 @@ T = TypeVar("T")
 class Stack:
     frontend: Frontend
     engine: str
+    worker_pid: int
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.frontend.url}/v1", api_key="unused", timeout=60, max_retries=0)
@@ -55,14 +58,16 @@ class Stack:
 
 
 @asynccontextmanager
-async def start_stack(denv: DynamoEnv, frontend: Frontend, *mock_args: str) -> AsyncIterator[Stack]:
+async def start_stack(
+    denv: DynamoEnv, frontend: Frontend, *mock_args: str, sidecar_args: tuple[str, ...] = ()
+) -> AsyncIterator[Stack]:
     async with (
         start_engine(denv, *mock_args) as engine,
-        start_sidecar(denv, engine.address, "--abort-timeout-secs", "1"),
+        start_sidecar(denv, engine.address, "--abort-timeout-secs", "1", *sidecar_args) as worker,
     ):
         await wait_routable(frontend.url, workers=1)
         try:
-            yield Stack(frontend, engine.address)
+            yield Stack(frontend, engine.address, worker.process.pid)
         except BaseException:
             dump_logs(denv)
             raise
@@ -183,9 +188,24 @@ async def test_n2_logprobs_stop_strings_and_max_tokens(dynamo_env: DynamoEnv, fr
             assert text.startswith(stopped.choices[0].text)
 
 
+def _thread_policies(pid: int) -> set[int]:
+    """The scheduling policy (``/proc/<pid>/task/<tid>/stat`` field 41) of every thread of ``pid``."""
+    policies = set()
+    for task in (Path(f"/proc/{pid}/task")).iterdir():
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        policies.add(int(fields[38]))
+    return policies
+
+
+@pytest.mark.parametrize(
+    ("egress", "scheduling"), [("push", "batch"), ("pull", "normal")], ids=["push-batch", "pull-normal"]
+)
 async def test_64_concurrent_streams_all_complete_with_exact_token_counts(
-    dynamo_env: DynamoEnv, frontend: Frontend
+    dynamo_env: DynamoEnv, frontend: Frontend, egress: str, scheduling: str
 ) -> None:
+    """Both ways chunks reach Dynamo (``--dynamo-egress``: push through its ResponseSender, the default; pull from
+    the handler's iterator) serve every stream exactly, and ``--cpu-scheduling`` holds for every thread the worker
+    runs, Dynamo's own included (they start after the policy is set)."""
     counts: list[tuple[int, int]] = []
 
     def one(c: openai.OpenAI, i: int) -> tuple[int, int]:
@@ -205,8 +225,9 @@ async def test_64_concurrent_streams_all_complete_with_exact_token_counts(
         assert usage is not None
         return pieces, usage
 
+    args = ("--dynamo-egress", egress, "--cpu-scheduling", scheduling)
     with trio.fail_after(180):
-        async with start_stack(dynamo_env, frontend, "--decode-ms-per-token", "5") as stack:
+        async with start_stack(dynamo_env, frontend, "--decode-ms-per-token", "5", sidecar_args=args) as stack:
             client = stack.client()
 
             async def run(i: int) -> None:
@@ -220,6 +241,8 @@ async def test_64_concurrent_streams_all_complete_with_exact_token_counts(
             assert all(usage == 24 for _, usage in counts), counts
             assert all(pieces >= 1 for pieces, _ in counts)
             assert await stack.running_requests() == 0
+            expected = os.SCHED_BATCH if scheduling == "batch" else os.SCHED_OTHER
+            assert _thread_policies(stack.worker_pid) == {expected}
 
 
 async def test_an_unsupported_feature_gets_a_400_naming_it_and_the_worker_stays_healthy(
