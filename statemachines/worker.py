@@ -253,7 +253,8 @@ STATE_DOCS: dict[WorkerState, StateDoc] = {
         "registration withdrawn, in-flight requests failed with a migratable error; a connect to the engine's port "
         "every 25 ms while it refuses, GetServerInfo as soon as it accepts (backed off, 1 s doubling, while the port "
         "accepts and the engine does not answer yet).",
-        operator_sees="A line naming the lost connection, 'engine not accepting connections … probing every 25 ms', "
+        operator_sees="A line naming the lost connection, 'engine at … not reachable: nothing accepts connections "
+        "there; probing every 25 ms', "
         "then 'engine back: serving again N ms after it accepted a connection'; /health 503 meanwhile; clients of "
         "in-flight requests migrate (if the frontend's migration limit allows) or get an error.",
         action="Check whether the engine restarted or crashed. The worker rediscovers and re-registers by itself "

@@ -143,8 +143,11 @@ class EngineWatch:
             if await self.probe.accepts(self._probe_timeout_s) is not False:
                 return
             if not logged:
-                log.info("engine not accepting connections at %s yet: probing every %.0f ms", self.probe.endpoint,
-                         PROBE_INTERVAL_S * 1000)  # fmt: skip
+                log.info(
+                    "engine at %s not reachable yet: nothing accepts connections there; probing every %.0f ms",
+                    self.probe.endpoint,
+                    PROBE_INTERVAL_S * 1000,
+                )
                 logged = True
             await trio.sleep(min(PROBE_INTERVAL_S, max(0.0, deadline - trio.current_time())))
 
@@ -568,7 +571,7 @@ class EngineWatch:
             if state is False:
                 if not logged:
                     log.info(
-                        "engine not accepting connections at %s: probing every %.0f ms",
+                        "engine at %s not reachable: nothing accepts connections there; probing every %.0f ms",
                         self.probe.endpoint,
                         PROBE_INTERVAL_S * 1000,
                     )
