@@ -1,4 +1,5 @@
-"""Push egress: a request's chunks go to Dynamo's ``ResponseSender`` on threads of their own, never on the loop.
+"""Push egress: a request's chunks go to Dynamo's ``ResponseSender`` from the loop while that cannot block, then
+from threads of their own.
 
 Dynamo 1.6.1 drives a handler whose signature names ``response_sender`` in *push* mode: it advances the handler's
 async iterator once per request and takes every chunk from ``response_sender.send(chunk)``, which encodes the chunk
@@ -8,11 +9,13 @@ and a loop wakeup per chunk, about 30 µs of CPU per chunk more on the reference
 
 ``send`` blocks while the request's channel is full, that is while its frontend does not read (a stopped or
 partitioned frontend; a client that stops reading does not: the frontend buffers for it). On the loop that would stop
-every stream of the worker, for as long as TCP takes to give up. So the sends run here: one thread normally (it wakes
-once per batch of chunks the loop hands over, not once per chunk), and a send that stays blocked parks its thread
-while another takes the other requests' chunks (:attr:`Egress.stall_s`, up to :attr:`Egress.max_threads`). A request
-whose send is blocked keeps its chunks pending in its outbox, where they merge and count against the outbox's bound,
-so the engine's flow control holds that stream back -- as on the pull path.
+every stream of the worker, for as long as TCP takes to give up. So the loop sends a request's chunks itself only
+while the request has sent less than TCP alone holds (:data:`DIRECT_BYTES`: short answers, most of a paced stream's
+chunks never leave the loop), and past that the sends run here: one thread normally (it wakes once per batch of chunks
+the loop hands over, not once per chunk), and a send that stays blocked parks its thread while another takes the other
+requests' chunks (:attr:`Egress.stall_s`, up to :attr:`Egress.max_threads`). A request whose send is blocked keeps its
+chunks pending in its outbox, where they merge and count against the outbox's bound, so the engine's flow control
+holds that stream back -- as on the pull path.
 
 Ordering: a request's chunks are sent by one thread at a time, in the order the loop delivered them (a request is
 queued once until its thread has taken everything pending: :meth:`Pushable.push_pending`).
