@@ -79,6 +79,8 @@ class Params:
     disconnects: int = 5
     #: The client's bound on the hung engine's request.
     hang_bound_s: float = 90.0
+    #: The stall of the second SIGSTOP scenario: shorter than the sidecars' default inactivity timeout (60 s).
+    short_stall_s: float = 30.0
 
     @classmethod
     def for_run(cls, *, quick: bool, stall_s: float | None = None) -> Params:
@@ -329,9 +331,19 @@ def judge_engine_sigkill(ours: Figures, theirs: Figures) -> Judged:
 
 
 async def engine_sigstop(env: Env, p: Params) -> Result:
+    return await _sigstop(env, "engine_sigstop", p.stall_s, p.stall_request_at_s)
+
+
+async def engine_sigstop_short(env: Env, p: Params) -> Result:
+    return await _sigstop(
+        env, "engine_sigstop_short", p.short_stall_s, min(p.stall_request_at_s, p.short_stall_s * 0.4)
+    )
+
+
+async def _sigstop(env: Env, key: str, stall_s: float, request_at_s: float) -> Result:
     outcomes = [Seen() for _ in range(4)]
     late = Seen()
-    bound = p.stall_s + 60
+    bound = stall_s + 60
     async with engine(env, "--decode-ms-per-token", "20") as eng, worker(env, eng.address) as sidecar:
         await env.routable()
         health = HealthLog(sidecar.system_url, interval=0.25)
@@ -343,10 +355,10 @@ async def engine_sigstop(env: Env, p: Params) -> Result:
                 eng.process.signal(signal.SIGSTOP)
                 stopped = time.monotonic()
                 try:
-                    await trio.sleep(p.stall_request_at_s)  # the stall itself: the extra request comes this far in
+                    await trio.sleep(request_at_s)  # the stall itself: the extra request comes this far in
                     body = body_for("completions", "A late one.", max_tokens=60, ignore_eos=True)
                     nursery.start_soon(partial(stream, env.http, env.url, body, bound_s=bound, into=late))
-                    await trio.sleep(max(0.0, stopped + p.stall_s - time.monotonic()))
+                    await trio.sleep(max(0.0, stopped + stall_s - time.monotonic()))
                 finally:
                     eng.process.signal(signal.SIGCONT)
                 resumed = time.monotonic()
@@ -356,14 +368,14 @@ async def engine_sigstop(env: Env, p: Params) -> Result:
     failed_at = sorted((o.ended or stopped) - stopped for o in outcomes if not o.complete(tokens=200))
     during = health.between(stopped, resumed)
     saw = (
-        f"4 streams: {tally(outcomes, tokens=200)}; the request sent {p.stall_request_at_s:g} s into the stall: "
+        f"4 streams: {tally(outcomes, tokens=200)}; the request sent {request_at_s:g} s into the stall: "
         f"{late.kind()}; `/health` during the stall: {statuses(during)}"
     )
     timings = f"streams ended {ends[0]:.1f}–{ends[-1]:.1f} s after the SIGSTOP (SIGCONT at {resumed - stopped:.1f} s)"
     if failed_at:
         timings += f"; failures at {failed_at[0]:.1f}–{failed_at[-1]:.1f} s"
     complete = sum(o.complete(tokens=200) for o in outcomes) + int(late.complete(tokens=60))
-    return [_row("engine_sigstop", "", saw, timings, complete=complete, health=dict(during))], end
+    return [_row(key, "", saw, timings, complete=complete, health=dict(during))], end
 
 
 def judge_engine_sigstop(ours: Figures, theirs: Figures) -> Judged:
@@ -927,6 +939,15 @@ SCENARIOS: Final[tuple[Scenario, ...]] = (
                   f"{p.stall_s + 60:g} s",
         "more complete answers (of the 5) wins",
         engine_sigstop, judge_engine_sigstop, quick=True,
+    ),
+    Scenario(
+        "engine_sigstop_short",
+        lambda p: f"engine SIGSTOP {p.short_stall_s:g} s (less than the inactivity timeout) during 4 streams, then "
+                  f"SIGCONT; a request sent at {min(p.stall_request_at_s, p.short_stall_s * 0.4):g} s",
+        lambda p: f"as the SIGSTOP scenario above, the stall {p.short_stall_s:g} s: shorter than either sidecar's "
+                  "default inactivity timeout (60 s)",
+        "more complete answers (of the 5) wins",
+        engine_sigstop_short, judge_engine_sigstop,
     ),
     Scenario(
         "context_change",
